@@ -1,0 +1,3 @@
+"""mla_kernels"""
+
+__version__ = "0.1.0"
