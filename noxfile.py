@@ -44,10 +44,11 @@ def with_local_dependencies(package: str) -> list[str]:
 @nox.parametrize("package", PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
     """CPU tests of one package, in an environment holding only it and its dependencies."""
-    session.install(CPU_TORCH)
-    for name in with_local_dependencies(package):
-        session.install("-e", str(package_dir(name)))
-    session.install(*nox.project.dependency_groups(pyproject(package), "test"))
+    editable = [
+        arg for name in with_local_dependencies(package) for arg in ("-e", package_dir(name))
+    ]
+    test_group = nox.project.dependency_groups(pyproject(package), "test")
+    session.install(CPU_TORCH, *map(str, editable), *test_group)
     session.run("pytest", "-m", "not gpu", str(package_dir(package) / "tests"), *session.posargs)
 
 
@@ -101,7 +102,7 @@ def build(session: nox.Session, package: str) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The project's main job. Until the server exists: the day-6 economics report."""
-    session.install(CPU_TORCH)
-    for name in with_local_dependencies("ref-server"):
-        session.install(str(package_dir(name)))
+    session.install(
+        CPU_TORCH, *(str(package_dir(name)) for name in with_local_dependencies("ref-server"))
+    )
     session.run("ref-server", "economics", *session.posargs)
