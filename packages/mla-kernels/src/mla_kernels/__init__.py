@@ -1,3 +1,23 @@
-"""mla_kernels"""
+"""Paged MLA decode attention with FlashMLA's call surface.
+
+tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
+                                  tile_scheduler_metadata, num_splits, causal=True)
+"""
+
+from mla_kernels.backend import backend
+from mla_kernels.decode import flash_mla_with_kvcache, get_mla_metadata
+from mla_kernels.fp8_layout import FP8_TOKEN_BYTES, dequantize_fp8, quantize_fp8
+from mla_kernels.kv_cache import write_kv_cache
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "FP8_TOKEN_BYTES",
+    "backend",
+    "dequantize_fp8",
+    "flash_mla_with_kvcache",
+    "get_mla_metadata",
+    "quantize_fp8",
+    "write_kv_cache",
+]

@@ -1,0 +1,119 @@
+"""Which implementation runs on a device, and the just-in-time build of the CUDA one.
+
+`MLA_KERNELS_BACKEND` chooses: `auto` (default: the sm_90a kernel on Hopper GPUs, the torch
+reference elsewhere), `reference` (always the reference), or `cuda` (the kernel, and an
+error where it cannot run). The kernel is compiled on first use with nvcc into
+`MLA_KERNELS_CACHE_DIR` (default `~/.cache/mla-kernels`), in a folder named by a hash of the
+sources, the flags and the torch/CUDA versions, so a build is reused until one of them changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+NVCC_FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "-DNDEBUG",
+    "--use_fast_math",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-Xptxas=-v",
+]
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def requested_backend() -> str:
+    choice = os.environ.get("MLA_KERNELS_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"MLA_KERNELS_BACKEND={choice!r}; expected one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def backend(device: torch.device | str) -> str:
+    """`"cuda"` when the sm_90a kernel serves tensors on `device`, else `"reference"`."""
+    device = torch.device(device)
+    choice = requested_backend()
+    if choice == "reference":
+        return "reference"
+    reason = _why_not_cuda(device)
+    if reason is None:
+        return "cuda"
+    if choice == "cuda":
+        raise RuntimeError(f"MLA_KERNELS_BACKEND=cuda but {reason}")
+    return "reference"
+
+
+def _why_not_cuda(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the tensors are on {device.type}, not a CUDA device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return (
+            f"the kernel needs a Hopper GPU (sm_90), this one is sm_{capability[0]}{capability[1]}"
+        )
+    return None
+
+
+def cutlass_include() -> Path:
+    try:
+        import cutlass_library
+    except ImportError:
+        raise RuntimeError(
+            "building the mla-kernels CUDA kernel needs the CUTLASS headers: "
+            "pip install nvidia-cutlass (or set MLA_KERNELS_BACKEND=reference)"
+        ) from None
+    return Path(cutlass_library.__file__).parent / "source" / "include"
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
+
+
+def build_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(NVCC_FLAGS).encode())
+    digest.update(f"{torch.__version__} {torch.version.cuda}".encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def load_extension() -> None:
+    """Compile (or reuse) and load the CUDA ops into `torch.ops.mla_kernels_cuda`."""
+    from torch.utils import cpp_extension
+
+    key = build_hash()
+    cache = Path(os.environ.get("MLA_KERNELS_CACHE_DIR", Path.home() / ".cache" / "mla-kernels"))
+    build_dir = cache / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cuda_home = Path(cpp_extension.CUDA_HOME or "/usr/local/cuda")
+    previous_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma and setmaxnreg exist only in sm_90a
+    try:
+        cpp_extension.load(
+            name=f"mla_kernels_cuda_{key}",
+            sources=[str(p) for p in sources()],
+            extra_include_paths=[
+                str(CSRC),
+                str(cutlass_include()),
+                str(cuda_home / "include" / "cccl"),
+            ],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=NVCC_FLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=os.environ.get("MLA_KERNELS_BUILD_VERBOSE", "0") == "1",
+        )
+    finally:
+        if previous_arch_list is None:
+            del os.environ["TORCH_CUDA_ARCH_LIST"]
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = previous_arch_list

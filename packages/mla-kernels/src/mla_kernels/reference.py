@@ -1,0 +1,72 @@
+"""Plain-torch MLA decode attention: the CPU path and the tests' reference.
+
+All math runs in float32 on whatever device the inputs live on, with no host synchronization,
+so the same code also serves GPUs without the sm_90a kernel (and CUDA-graph capture there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla_kernels.fp8_layout import dequantize_fp8
+
+HEAD_DIM = 576
+HEAD_DIM_V = 512
+
+
+def gather_kv(
+    k_cache: torch.Tensor, block_table: torch.Tensor, is_fp8_kvcache: bool
+) -> torch.Tensor:
+    """Every sequence's pages laid end to end: float32 `[b, max_blocks * page_size, h_kv, 576]`.
+
+    Entries of `block_table` past a sequence's last page may hold anything; they are clamped
+    to a valid page here and their tokens masked by the caller.
+    """
+    num_blocks, page_size, h_kv, _ = k_cache.shape
+    kv = dequantize_fp8(k_cache) if is_fp8_kvcache else k_cache.float()
+    pages = kv[block_table.long().clamp(0, num_blocks - 1)]  # [b, max_blocks, page, h_kv, 576]
+    b, max_blocks = block_table.shape
+    return pages.reshape(b, max_blocks * page_size, h_kv, HEAD_DIM)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    is_fp8_kvcache: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over its sequence's cached tokens.
+
+    q `[b, s_q, h_q, 576]`; the first 512 columns of each cached token are V. Query heads
+    `[i * h_q / h_kv, (i + 1) * h_q / h_kv)` attend to KV head i. With `causal`, query s sees
+    the first `seqlen - s_q + s + 1` tokens (aligned bottom-right). A query row that sees no
+    token gets out = 0 and lse = +inf. Returns out `[b, s_q, h_q, 512]` in q's dtype and the
+    natural-log sum of exponentials lse float32 `[b, h_q, s_q]`.
+    """
+    b, s_q, h_q, _ = q.shape
+    kv = gather_kv(k_cache, block_table, is_fp8_kvcache)  # [b, n, h_kv, 576]
+    n, h_kv = kv.shape[1], kv.shape[2]
+    q_grouped = q.float().view(b, s_q, h_kv, h_q // h_kv, HEAD_DIM)
+
+    positions = torch.arange(n, device=q.device)
+    seqlens = cache_seqlens.to(device=q.device, dtype=torch.long)
+    stored = positions.view(1, n) < seqlens.view(b, 1)  # [b, n]
+    visible = stored.view(b, 1, n).expand(b, s_q, n)
+    if causal:
+        last = seqlens.view(b, 1) - s_q + torch.arange(s_q, device=q.device).view(1, s_q)
+        visible = visible & (positions.view(1, 1, n) <= last.view(b, s_q, 1))
+    visible = visible.view(b, 1, 1, s_q, n)
+
+    scores = torch.einsum("bsgkd,bngd->bgksn", q_grouped, kv) * softmax_scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [b, h_kv, h_q / h_kv, s_q]
+    seen = visible.any(dim=-1)
+    probs = torch.exp(scores - torch.where(seen, lse, 0.0).unsqueeze(-1))
+    # Slots past a sequence's end may hold NaN; 0 * NaN would leak into the sum.
+    values = torch.where(stored.view(b, n, 1, 1), kv[..., :HEAD_DIM_V], 0.0)
+    out = torch.einsum("bgksn,bngd->bsgkd", probs, values).reshape(b, s_q, h_q, HEAD_DIM_V)
+    lse = torch.where(seen, lse, float("inf")).reshape(b, h_q, s_q)
+    return out.to(q.dtype), lse

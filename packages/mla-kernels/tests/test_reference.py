@@ -1,0 +1,76 @@
+import math
+
+import pytest
+import torch
+
+import mla_kernels
+from mla_kernels.testing import decode_case
+
+CASES = [
+    # seqlens, s_q, h_q, h_kv, page_size, causal
+    ([37], 1, 16, 1, 64, False),
+    ([1, 140, 64, 65], 1, 8, 1, 16, False),
+    ([20, 140], 2, 4, 2, 32, True),
+    ([0, 77, 3], 4, 6, 3, 16, True),
+    ([130, 129, 256], 3, 16, 8, 128, True),
+    ([2, 9], 4, 2, 1, 64, True),  # seqlen < s_q: the first queries see nothing
+]
+
+
+def relative_error(actual, expected):
+    return ((actual.double() - expected).norm() / expected.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("seqlens", "s_q", "h_q", "h_kv", "page_size", "causal"), CASES)
+def test_reference_matches_float64_math(
+    seqlens, s_q, h_q, h_kv, page_size, causal, dtype, is_fp8_kvcache, generator, oracle
+):
+    case = decode_case(
+        seqlens, s_q, h_q, h_kv, page_size, dtype, is_fp8_kvcache, generator=generator
+    )
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, s_q * h_q // h_kv, h_kv)
+    out, lse = mla_kernels.flash_mla_with_kvcache(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+        causal=causal, is_fp8_kvcache=is_fp8_kvcache,
+    )  # fmt: skip
+    expected_out, expected_lse = oracle(case, 576**-0.5, causal)
+
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert relative_error(out, expected_out) < 4e-3  # the bf16/fp16 rounding of out
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isinf(), ~seen)
+    assert (lse[seen].double() - expected_lse[seen]).abs().max() < 1e-4
+    assert (out.double()[~seen.permute(0, 2, 1)] == 0).all()
+
+
+def test_softmax_scale_and_a_hand_computed_case():
+    # One sequence of two tokens, one query: attention weights are a softmax of two scores.
+    q = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    k_cache = torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16)
+    k_cache[0, 0, 0, 0], k_cache[0, 1, 0, 0] = 2.0, 4.0  # scores 2 and 4 before scaling
+    k_cache[0, 0, 0, 1], k_cache[0, 1, 0, 1] = 1.0, 3.0  # V column 1 holds 1 and 3
+    k_cache[0, 2:] = float("nan")
+    seqlens = torch.tensor([2], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    metadata, splits = mla_kernels.get_mla_metadata(seqlens, 1, 1)
+    out, lse = mla_kernels.flash_mla_with_kvcache(
+        q, k_cache, table, seqlens, 512, metadata, splits, softmax_scale=0.5
+    )
+    w = torch.softmax(torch.tensor([1.0, 2.0], dtype=torch.float64), 0)
+    assert lse.item() == pytest.approx(math.log(math.exp(1.0) + math.exp(2.0)), abs=1e-6)
+    assert out[0, 0, 0, 1].item() == pytest.approx(float(w[0] * 1 + w[1] * 3), rel=4e-3)
+    assert out[0, 0, 0, 0].item() == pytest.approx(float(w[0] * 2 + w[1] * 4), rel=4e-3)
+
+
+def test_empty_sequence_gives_zero_and_infinite_lse(generator):
+    case = decode_case([0, 5], 2, 4, generator=generator)
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 8, 1)
+    out, lse = mla_kernels.flash_mla_with_kvcache(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits
+    )
+    assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()
+    assert lse[1].isfinite().all()
