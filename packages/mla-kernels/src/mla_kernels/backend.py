@@ -19,7 +19,6 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 NVCC_FLAGS = [
     "-O3",
-    "-std=c++17",
     "-DNDEBUG",
     "--use_fast_math",
     "--expt-relaxed-constexpr",
@@ -106,7 +105,7 @@ def load_extension() -> None:
                 str(cutlass_include()),
                 str(cuda_home / "include" / "cccl"),
             ],
-            extra_cflags=["-O3", "-std=c++17"],
+            extra_cflags=["-O3"],
             extra_cuda_cflags=NVCC_FLAGS,
             build_directory=str(build_dir),
             is_python_module=False,

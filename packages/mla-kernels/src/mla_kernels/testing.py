@@ -32,7 +32,8 @@ def varlen_seqlens(
     batch: int, mean: int, s_q: int, generator: torch.Generator | None = None
 ) -> list[int]:
     """FlashMLA's variable lengths: normal(mean, mean / 2), at least s_q."""
-    lengths = torch.normal(float(mean), mean / 2, (batch,), generator=generator)
+    device = generator.device if generator is not None else "cpu"
+    lengths = torch.normal(float(mean), mean / 2, (batch,), generator=generator, device=device)
     return [max(s_q, int(n)) for n in lengths.tolist()]
 
 

@@ -1,0 +1,169 @@
+"""FlashMLA's decode sweep on this GPU: our kernel beside a plain-torch bmm baseline, the
+GPU's measured copy and matmul ceilings, and FlashMLA's own figures on our H200 box.
+
+    python benchmarks/bench_decode.py [--quick] [--json results.json]
+
+Per call (dtype size 2): FLOPs = 2 * s_q * h_q * sum(seqlen) * (576 + 512);
+bytes = sum(seqlen) * h_kv * token_bytes + b * s_q * h_q * (576 + 512) * 2, where
+token_bytes is 1152 for a bf16 cache and 656 for the FP8 layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+
+import torch
+
+import mla_kernels
+from mla_kernels.testing import decode_case, varlen_seqlens
+
+BATCH = 128
+# FlashMLA built from source on our H200 box (../shared/anchors.md): b = 128, s_q = 1,
+# fixed lengths, bf16 cache. h_q = 16 is quoted in TB/s, h_q = 128 in TFLOP/s.
+FLASHMLA_H200 = {
+    (16, 4096): 3.67, (16, 8192): 3.91, (16, 16384): 4.01, (16, 32768): 4.16,
+    (128, 4096): 586, (128, 8192): 558, (128, 16384): 579, (128, 32768): 601,
+}  # fmt: skip
+
+
+def time_ms(fn, reps: int = 30, warmup: int = 5) -> float:
+    """Median of `reps` event-timed calls, each after the L2 cache is overwritten."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    src = torch.randn(1 << 29, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src))
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    matmul_ms = time_ms(lambda: a @ b)
+    return {
+        "copy_TBps": 2 * src.numel() * 4 / copy_ms / 1e9,
+        "matmul_TFLOPs": 2 * 8192**3 / matmul_ms / 1e9,
+    }
+
+
+def bmm_baseline_ms(seqlen: int, s_q: int, h_q: int) -> float:
+    """Attention as two batched matmuls over a contiguous (unpaged) cache: torch's best case."""
+    kv = torch.randn(BATCH, seqlen, 576, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(BATCH, s_q * h_q, 576, device="cuda", dtype=torch.bfloat16)
+
+    def attend():
+        scores = torch.bmm(q, kv.transpose(1, 2)).float() * 576**-0.5
+        return torch.bmm(torch.softmax(scores, dim=-1).bfloat16(), kv[..., :512])
+
+    return time_ms(attend)
+
+
+def measure(case, s_q: int, h_q: int, limits: dict[str, float]) -> dict:
+    q = case.q[:, :s_q, :h_q].contiguous()
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, s_q * h_q, 1)
+    fp8 = case.is_fp8_kvcache
+    ms = time_ms(
+        lambda: mla_kernels.flash_mla_with_kvcache(
+            q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+            causal=True, is_fp8_kvcache=fp8, check_values=False,
+        )
+    )  # fmt: skip
+    total = int(case.cache_seqlens.sum())
+    flops = 2 * s_q * h_q * total * (576 + 512)
+    moved = total * (656 if fp8 else 1152) + BATCH * s_q * h_q * (576 + 512) * 2
+    floor_ms = max(flops / limits["matmul_TFLOPs"], moved / limits["copy_TBps"]) / 1e9
+    return {
+        "s_q": s_q,
+        "h_q": h_q,
+        "ms": ms,
+        "TFLOPs": flops / ms / 1e9,
+        "TBps": moved / ms / 1e9,
+        "roofline_share": floor_ms / ms,
+    }
+
+
+def sweep(quick: bool, limits: dict[str, float]) -> list[dict]:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    lengths = [4096, 16384] if quick else [4096, 8192, 16384, 32768]
+    heads = [16, 128] if quick else [16, 32, 64, 128]
+    for fp8, varlen, mean in itertools.product((False, True), (False, True), lengths):
+        seqlens = varlen_seqlens(BATCH, mean, 2, generator) if varlen else [mean] * BATCH
+        case = decode_case(seqlens, 2, 128, is_fp8_kvcache=fp8, device="cuda", generator=generator)
+        for s_q, h_q in itertools.product((1, 2), heads):
+            row = {"cache": "fp8" if fp8 else "bf16", "lengths": "varlen" if varlen else "fixed"}
+            row |= {"s_k": mean} | measure(case, s_q, h_q, limits)
+            if not fp8 and not varlen:
+                base = bmm_baseline_ms(mean, s_q, h_q)
+                row["bmm_ms"] = base
+                row["bmm_TFLOPs"] = row["TFLOPs"] * row["ms"] / base
+                row["bmm_TBps"] = row["TBps"] * row["ms"] / base
+                if s_q == 1 and (h_q, mean) in FLASHMLA_H200:
+                    row["flashmla_h200"] = FLASHMLA_H200[(h_q, mean)]
+            rows.append(row)
+            print_row(row)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_row(row: dict) -> None:
+    anchor = ""
+    if "flashmla_h200" in row:
+        ours = row["TBps"] if row["h_q"] == 16 else row["TFLOPs"]
+        unit = "TB/s" if row["h_q"] == 16 else "TFLOP/s"
+        anchor = f"FlashMLA {row['flashmla_h200']} {unit}, ratio {ours / row['flashmla_h200']:.2f}"
+    base = ""
+    if "bmm_ms" in row:
+        base = (
+            f"bmm {row['bmm_ms']:7.3f} ms {row['bmm_TFLOPs']:6.1f} TF {row['bmm_TBps']:5.2f} TB/s"
+        )
+    shape = f"{row['cache']:4} {row['lengths']:6} s_k {row['s_k']:5} s_q {row['s_q']}"
+    shape += f" h_q {row['h_q']:3}"
+    print(
+        f"{shape} | "
+        f"{row['ms']:7.3f} ms {row['TFLOPs']:6.1f} TFLOP/s {row['TBps']:5.2f} TB/s "
+        f"{row['roofline_share']:4.0%} of roofline | {base} | {anchor}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer lengths and head counts")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    assert mla_kernels.backend("cuda") == "cuda", "needs a Hopper GPU and the sm_90a kernel"
+    limits = ceilings()
+    print(
+        f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
+        f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
+    )
+    rows = sweep(args.quick, limits)
+    if args.json:
+        document = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+            "ceilings": limits,
+            "rows": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+// The torch-facing half of the CUDA op: allocations, parameters, the TMA descriptor, launches.
+#include "api.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "params.h"
+
+namespace mla {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const auto encoder = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+                                                    cudaEnableDefault, &status));
+    TORCH_CHECK(status == cudaDriverEntryPointSuccess && function != nullptr,
+                "the CUDA driver does not provide cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encoder;
+}
+
+// The cache seen by the TMA engine as (columns, KV head, slot); see DecodeParams.
+CUtensorMap kv_tensor_map(const at::Tensor& k_cache, bool is_fp8, int box_rows) {
+  const cuuint64_t slots = k_cache.size(0) * k_cache.size(1), h_kv = k_cache.size(2);
+  const cuuint64_t row_bytes = is_fp8 ? kFp8TokenBytes : kHeadDim * 2;
+  const cuuint64_t dims[3] = {is_fp8 ? row_bytes / 4 : kHeadDim, h_kv, slots};
+  const cuuint64_t strides[2] = {row_bytes, h_kv * row_bytes};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(is_fp8 ? row_bytes / 4 : 64), 1,
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  CUtensorMap map;
+  const CUresult result = tensor_map_encoder()(
+      &map, is_fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, k_cache.data_ptr(), dims,
+      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      is_fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
+              ") for a k_cache of shape ", k_cache.sizes());
+  return map;
+}
+
+template <typename T>
+void launch(const DecodeParams& params, const CombineParams& combine, bool is_fp8, cudaStream_t stream) {
+  if (is_fp8) {
+    run_decode<T, true>(params, stream);
+  } else {
+    run_decode<T, false>(params, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  run_combine<T>(combine, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                              const at::Tensor& block_table, const at::Tensor& cache_seqlens,
+                                              const at::Tensor& tile_scheduler_metadata,
+                                              const at::Tensor& num_splits, double softmax_scale, bool causal,
+                                              bool is_fp8_kvcache) {
+  for (const at::Tensor* t : {&q, &k_cache, &block_table, &cache_seqlens, &tile_scheduler_metadata, &num_splits}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "all mla_decode inputs must be on ", q.device());
+    TORCH_CHECK(t->is_contiguous(), "mla_decode inputs must be contiguous");
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % 16 == 0, "k_cache must be 16-byte aligned");
+  const c10::cuda::CUDAGuard guard(q.device());
+
+  const int batch = q.size(0), s_q = q.size(1), h_q = q.size(2);
+  const int page_size = k_cache.size(1), h_kv = k_cache.size(2);
+  const int num_parts = tile_scheduler_metadata.size(0);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({batch, s_q, h_q, kHeadDimV}, q.options());
+  at::Tensor lse = at::empty({batch, h_q, s_q}, f32);
+  // A sequence is cut at most once per partition boundary, so b + num_parts pieces suffice.
+  at::Tensor out_accum = at::empty({batch + num_parts, s_q * h_q, kHeadDimV}, f32);
+  at::Tensor lse_accum = at::empty({batch + num_parts, s_q * h_q}, f32);
+
+  DecodeParams params{};
+  params.batch = batch;
+  params.s_q = s_q;
+  params.h_q = h_q;
+  params.h_kv = h_kv;
+  params.heads_per_kv = h_q / h_kv;
+  params.rows_per_kv = s_q * (h_q / h_kv);
+  params.page_size = page_size;
+  params.max_blocks_per_seq = block_table.size(1);
+  params.num_parts = num_parts;
+  params.causal = causal;
+  params.softmax_scale = static_cast<float>(softmax_scale);
+  params.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  params.q = q.data_ptr();
+  params.block_table = block_table.data_ptr<int>();
+  params.cache_seqlens = cache_seqlens.data_ptr<int>();
+  params.metadata = tile_scheduler_metadata.data_ptr<int>();
+  params.num_splits = num_splits.data_ptr<int>();
+  params.out = out.data_ptr();
+  params.lse = lse.data_ptr<float>();
+  params.out_accum = out_accum.data_ptr<float>();
+  params.lse_accum = lse_accum.data_ptr<float>();
+  const int block_tokens = is_fp8_kvcache ? block_n<true>() : block_n<false>();
+  params.kv_tensor_map = kv_tensor_map(k_cache, is_fp8_kvcache, std::min(page_size, block_tokens));
+
+  CombineParams combine{batch,      s_q, h_q, params.num_splits, params.out_accum, params.lse_accum,
+                        params.out, params.lse};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (q.scalar_type() == at::kBFloat16) {
+    launch<__nv_bfloat16>(params, combine, is_fp8_kvcache, stream);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kHalf, "q must be bfloat16 or float16");
+    launch<__half>(params, combine, is_fp8_kvcache, stream);
+  }
+  return {out, lse};
+}
+
+}  // namespace mla

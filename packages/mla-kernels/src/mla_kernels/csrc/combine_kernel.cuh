@@ -1,0 +1,76 @@
+// Merges the pieces of sequences the scheduler split across partitions:
+//   out = sum_i exp(lse_i - lse) * out_i,  lse = log(sum_i exp(lse_i)),
+// one warp per (sequence, query position, head) row. Sequences with no tokens get out = 0 and
+// lse = +inf; unsplit ones were written by the decode kernel and are left alone.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "numeric.cuh"
+#include "params.h"
+
+namespace mla {
+
+constexpr int kCombineWarps = 8;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffff, v, offset);
+  return v;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCombineWarps * 32) mla_combine_kernel(const __grid_constant__ CombineParams p) {
+  const int batch = blockIdx.x, lane = threadIdx.x % 32;
+  const int rows = p.s_q * p.h_q;
+  const int row = blockIdx.y * kCombineWarps + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int first = p.num_splits[batch], pieces = p.num_splits[batch + 1] - first;
+  if (pieces == 1) return;
+
+  const int s = row / p.h_q, h = row % p.h_q;
+  float max_lse = -INFINITY;
+  for (int i = lane; i < pieces; i += 32) max_lse = fmaxf(max_lse, p.lse_accum[int64_t(first + i) * rows + row]);
+  max_lse = warp_max(max_lse);
+  float sum = 0.f;
+  if (max_lse != -INFINITY) {
+    for (int i = lane; i < pieces; i += 32) sum += __expf(p.lse_accum[int64_t(first + i) * rows + row] - max_lse);
+    sum = warp_sum(sum);
+  }
+
+  float acc[16] = {};
+  for (int i = 0; i < pieces && sum > 0.f; ++i) {
+    const float weight = __expf(p.lse_accum[int64_t(first + i) * rows + row] - max_lse) / sum;
+    const float4* piece = reinterpret_cast<const float4*>(p.out_accum + (int64_t(first + i) * rows + row) * kHeadDimV);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 v = piece[k * 32 + lane];
+      acc[k * 4 + 0] += weight * v.x;
+      acc[k * 4 + 1] += weight * v.y;
+      acc[k * 4 + 2] += weight * v.z;
+      acc[k * 4 + 3] += weight * v.w;
+    }
+  }
+  T* out = static_cast<T*>(p.out) + (int64_t(batch) * rows + row) * kHeadDimV;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    *reinterpret_cast<uint2*>(out + (k * 32 + lane) * 4) =
+        make_uint2(pack2<T>(acc[k * 4], acc[k * 4 + 1]), pack2<T>(acc[k * 4 + 2], acc[k * 4 + 3]));
+  }
+  if (lane == 0) p.lse[(int64_t(batch) * p.h_q + h) * p.s_q + s] = sum > 0.f ? max_lse + logf(sum) : INFINITY;
+}
+
+template <typename T>
+void run_combine(const CombineParams& params, cudaStream_t stream) {
+  const dim3 grid(params.batch, (params.s_q * params.h_q + kCombineWarps - 1) / kCombineWarps);
+  mla_combine_kernel<T><<<grid, kCombineWarps * 32, 0, stream>>>(params);
+}
+
+}  // namespace mla

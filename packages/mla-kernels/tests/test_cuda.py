@@ -1,0 +1,171 @@
+"""The sm_90a kernel against the torch reference (fp32 math on the same GPU)."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import mla_kernels
+from mla_kernels import reference
+from mla_kernels.testing import decode_case, varlen_seqlens
+
+pytestmark = pytest.mark.gpu
+
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the sm_90a kernel needs a Hopper GPU",
+)
+
+
+@pytest.fixture
+def cuda_generator():
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"generator seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def poison_allocator(case):
+    """Hand the op's output allocations memory full of NaN, so unwritten elements show."""
+    b, s_q, h_q, _ = case.q.shape
+    rows = (b + 256) * s_q * h_q
+    for shape in ((b, s_q, h_q, 512), (b, h_q, s_q), (rows, 512), (rows,)):
+        torch.full(shape, float("nan"), device="cuda", dtype=torch.float32)
+        torch.full(shape, float("nan"), device="cuda", dtype=case.q.dtype)
+
+
+def run_both(case, causal):
+    _, s_q, h_q, _ = case.q.shape
+    h_kv = case.k_cache.shape[2]
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, s_q * h_q // h_kv, h_kv)
+    poison_allocator(case)
+    out, lse = mla_kernels.flash_mla_with_kvcache(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+        causal=causal, is_fp8_kvcache=case.is_fp8_kvcache,
+    )  # fmt: skip
+    expected = reference.mla_decode(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 576**-0.5, causal,
+        case.is_fp8_kvcache,
+    )  # fmt: skip
+    return (out, lse), expected
+
+
+def assert_close(actual, expected):
+    (out, lse), (ref_out, ref_lse) = actual, expected
+    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert not out.isnan().any(), "NaN in out (an element left unwritten, or NaN slots read)"
+    assert not lse.isnan().any(), "NaN in lse"
+    assert torch.equal(lse.isposinf(), ref_lse.isposinf())
+    finite = ref_lse.isfinite()
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-3
+    error = (out.double() - ref_out.double()).norm() / ref_out.double().norm().clamp(min=1e-12)
+    assert error.item() < 1e-2, f"relative error {error.item():.2e}"
+    assert (out.float() - ref_out.float()).abs().max().item() < 5e-2
+
+
+def grid_cases():
+    """FlashMLA's correctness grid, thinned: each value of each axis appears several times."""
+    rng = random.Random(0)
+    cases = []
+    for b, s_q, s_k, h_q in itertools.product(
+        [1, 2, 6, 64], [1, 2, 4], [20, 140, 4096], [1, 9, 64, 128]
+    ):
+        if b * s_k * h_q > 64 * 4096 * 64:
+            continue
+        cases.append((b, s_q, s_k, h_q, 1, rng.random() < 0.5, rng.random() < 0.5))
+    for h_kv, h_q in [(2, 2), (2, 126), (3, 3), (3, 63), (3, 9), (8, 8), (8, 64), (8, 128)]:
+        for s_q in (1, 2):
+            cases.append((6, s_q, 140, h_q, h_kv, True, s_q > 1))
+    return cases
+
+
+@needs_hopper
+@pytest.mark.parametrize(("b", "s_q", "s_k", "h_q", "h_kv", "varlen", "causal"), grid_cases())
+def test_grid(b, s_q, s_k, h_q, h_kv, varlen, causal, cuda_generator):
+    assert mla_kernels.backend("cuda") == "cuda"
+    seqlens = varlen_seqlens(b, s_k, s_q, cuda_generator) if varlen else [s_k] * b
+    case = decode_case(seqlens, s_q, h_q, h_kv, device="cuda", generator=cuda_generator)
+    assert_close(*run_both(case, causal))
+
+
+@needs_hopper
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+def test_page_sizes_dtypes_and_fp8(page_size, dtype, is_fp8_kvcache, cuda_generator):
+    seqlens = [*varlen_seqlens(6, 1000, 2, cuda_generator), 1, 63, 64, 65]
+    case = decode_case(seqlens, 2, 16, 1, page_size, dtype, is_fp8_kvcache, "cuda", cuda_generator)
+    assert_close(*run_both(case, causal=True))
+
+
+@needs_hopper
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+def test_empty_and_short_sequences(is_fp8_kvcache, cuda_generator):
+    seqlens = [0, 3, 0, 1, 200, 0, 64, 2]
+    case = decode_case(
+        seqlens, 4, 32, is_fp8_kvcache=is_fp8_kvcache, device="cuda", generator=cuda_generator
+    )
+    (out, lse), expected = run_both(case, causal=True)
+    assert_close((out, lse), expected)
+    assert (out[0] == 0).all() and lse[0].isposinf().all()
+    assert lse[1, :, 0].isposinf().all()  # 3 tokens, 4 causal queries: the first sees none
+
+
+@needs_hopper
+def test_long_sequence(cuda_generator):
+    case = decode_case([131072, 5000], 1, 16, device="cuda", generator=cuda_generator)
+    assert_close(*run_both(case, causal=False))
+
+
+@needs_hopper
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+def test_cuda_graph_replay_matches_eager(is_fp8_kvcache, cuda_generator):
+    case = decode_case(
+        varlen_seqlens(16, 2000, 2, cuda_generator), 2, 64, is_fp8_kvcache=is_fp8_kvcache,
+        device="cuda", generator=cuda_generator,
+    )  # fmt: skip
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 128, 1)
+
+    def attend():
+        return mla_kernels.flash_mla_with_kvcache(
+            case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+            causal=True, is_fp8_kvcache=is_fp8_kvcache,
+        )  # fmt: skip
+
+    attend()  # build and load outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_lse = attend()
+    for _ in range(2):
+        case.q.copy_(torch.randn(case.q.shape, generator=cuda_generator, device="cuda"))
+        graph.replay()
+        out, lse = attend()
+        assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
+
+
+@needs_hopper
+def test_opcheck_cuda(cuda_generator):
+    case = decode_case([100, 7, 0], 2, 16, device="cuda", generator=cuda_generator)
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 32, 1)
+    args = (case.q, case.k_cache, case.block_table, case.cache_seqlens, metadata, splits)
+    torch.library.opcheck(torch.ops.mla_kernels.mla_decode.default, (*args, 0.04, True, False))
+
+
+@needs_hopper
+def test_out_of_range_pages_do_not_fault_inside_a_graph(cuda_generator):
+    # Value checks are skipped during capture; the TMA engine reads such pages as zeros.
+    case = decode_case([300, 300], 1, 16, device="cuda", generator=cuda_generator)
+    case.block_table[1, 2] = 1 << 20
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 16, 1)
+    graph = torch.cuda.CUDAGraph()
+    mla_kernels.flash_mla_with_kvcache(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+        check_values=False,
+    )  # fmt: skip
+    with torch.cuda.graph(graph):
+        out, _ = mla_kernels.flash_mla_with_kvcache(
+            case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits
+        )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out[0].isfinite().all()
