@@ -11,7 +11,9 @@ def float64_attention(case: DecodeCase, softmax_scale: float, causal: bool):
     """Token by token in float64, straight from the definition: the independent oracle."""
     q = case.q.double().cpu()
     cache = case.k_cache.cpu()
-    cache = dequantize_fp8(cache).double() if case.is_fp8_kvcache else cache.double()
+    # The FP8 layout is read as value * scale rounded to the queries' dtype.
+    dtype = case.q.dtype
+    cache = dequantize_fp8(cache).to(dtype).double() if case.is_fp8_kvcache else cache.double()
     page_size, h_kv = cache.shape[1], cache.shape[2]
     b, s_q, h_q, _ = q.shape
     out = torch.zeros(b, s_q, h_q, 512, dtype=torch.float64)

@@ -84,6 +84,7 @@ def test_backend_is_reference_on_cpu(monkeypatch):
         (lambda c: {"q": c.q.repeat(1, 3, 1, 1)}, "s_q must be in 1..4, got 6"),
         (lambda c: {"q": c.q.repeat(1, 1, 40, 1)}, "h_q must be a multiple of h_kv=1 and at most 128"),
         (lambda c: {"head_dim_v": 576}, "head_dim_v must be 512, got 576"),
+        (lambda c: {"softmax_scale": 0.0}, "softmax_scale must be a positive finite number, got 0.0"),
         (lambda c: {"k_cache": c.k_cache.half()}, "k_cache dtype torch.float16 differs from q dtype"),
         (lambda c: {"k_cache": c.k_cache[..., :512].contiguous()}, "k_cache must be \\[num_blocks"),
         (lambda c: {"is_fp8_kvcache": True}, "k_cache must be \\[num_blocks, page_size, h_kv, 656\\]"),

@@ -118,13 +118,14 @@ def test_long_sequence(cuda_generator):
 
 
 @needs_hopper
+@pytest.mark.parametrize("h_q", [16, 64])
 @pytest.mark.parametrize("is_fp8_kvcache", [False, True])
-def test_cuda_graph_replay_matches_eager(is_fp8_kvcache, cuda_generator):
+def test_cuda_graph_replay_matches_eager(h_q, is_fp8_kvcache, cuda_generator):
     case = decode_case(
-        varlen_seqlens(16, 2000, 2, cuda_generator), 2, 64, is_fp8_kvcache=is_fp8_kvcache,
+        varlen_seqlens(16, 2000, 2, cuda_generator), 2, h_q, is_fp8_kvcache=is_fp8_kvcache,
         device="cuda", generator=cuda_generator,
     )  # fmt: skip
-    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 128, 1)
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 2 * h_q, 1)
 
     def attend():
         return mla_kernels.flash_mla_with_kvcache(

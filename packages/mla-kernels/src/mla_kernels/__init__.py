@@ -5,8 +5,8 @@ out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
                                   tile_scheduler_metadata, num_splits, causal=True)
 """
 
-from mla_kernels.backend import backend
 from mla_kernels.decode import flash_mla_with_kvcache, get_mla_metadata
+from mla_kernels.extension import backend
 from mla_kernels.fp8_layout import FP8_TOKEN_BYTES, dequantize_fp8, quantize_fp8
 from mla_kernels.kv_cache import write_kv_cache
 

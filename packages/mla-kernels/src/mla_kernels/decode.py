@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mla_kernels import reference, scheduler
-from mla_kernels.backend import backend, load_extension
+from mla_kernels.extension import backend, load_extension
 from mla_kernels.fp8_layout import FP8_CACHE_DTYPES, FP8_TOKEN_BYTES
 from mla_kernels.reference import HEAD_DIM, HEAD_DIM_V
 
@@ -79,6 +79,8 @@ def flash_mla_with_kvcache(
     if check_values and not capturing:
         _check_values(k_cache, block_table, cache_seqlens)
     scale = HEAD_DIM**-0.5 if softmax_scale is None else float(softmax_scale)
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     return torch.ops.mla_kernels.mla_decode(
         q,
         k_cache,

@@ -7,6 +7,7 @@
 | [528, 656) | rope[0:64] as bfloat16                                         |
 
 The cache tensor holding it has dtype float8_e4m3fn (or uint8) and last dimension 656.
+Attention reads a latent value as value * scale rounded to the queries' dtype.
 """
 
 from __future__ import annotations

@@ -15,15 +15,16 @@ HEAD_DIM_V = 512
 
 
 def gather_kv(
-    k_cache: torch.Tensor, block_table: torch.Tensor, is_fp8_kvcache: bool
+    k_cache: torch.Tensor, block_table: torch.Tensor, is_fp8_kvcache: bool, dtype: torch.dtype
 ) -> torch.Tensor:
     """Every sequence's pages laid end to end: float32 `[b, max_blocks * page_size, h_kv, 576]`.
 
-    Entries of `block_table` past a sequence's last page may hold anything; they are clamped
-    to a valid page here and their tokens masked by the caller.
+    An FP8 cache is read as its values times their scales, rounded to `dtype` (the queries'),
+    as the kernel reads it. Entries of `block_table` past a sequence's last page may hold
+    anything; they are clamped to a valid page here and their tokens masked by the caller.
     """
     num_blocks, page_size, h_kv, _ = k_cache.shape
-    kv = dequantize_fp8(k_cache) if is_fp8_kvcache else k_cache.float()
+    kv = dequantize_fp8(k_cache).to(dtype).float() if is_fp8_kvcache else k_cache.float()
     pages = kv[block_table.long().clamp(0, num_blocks - 1)]  # [b, max_blocks, page, h_kv, 576]
     b, max_blocks = block_table.shape
     return pages.reshape(b, max_blocks * page_size, h_kv, HEAD_DIM)
@@ -47,7 +48,7 @@ def mla_decode(
     natural-log sum of exponentials lse float32 `[b, h_q, s_q]`.
     """
     b, s_q, h_q, _ = q.shape
-    kv = gather_kv(k_cache, block_table, is_fp8_kvcache)  # [b, n, h_kv, 576]
+    kv = gather_kv(k_cache, block_table, is_fp8_kvcache, q.dtype)  # [b, n, h_kv, 576]
     n, h_kv = kv.shape[1], kv.shape[2]
     q_grouped = q.float().view(b, s_q, h_kv, h_q // h_kv, HEAD_DIM)
 

@@ -13,17 +13,19 @@ namespace mla {
 using cute::SM90::GMMA::Major;
 using cute::SM90::GMMA::ScaleOut;
 
-template <typename T, int N, Major kMajorB>
+template <typename T, int N, Major kMajorA, Major kMajorB>
 struct GmmaOp;
 
-#define MLA_GMMA_OP(T, N, NAME)                                                   \
-  template <Major kMajorB>                                                        \
-  struct GmmaOp<T, N, kMajorB> {                                                  \
-    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32##NAME##_SS<Major::K, kMajorB>; \
+#define MLA_GMMA_OP(T, N, NAME)                                                       \
+  template <Major kMajorA, Major kMajorB>                                             \
+  struct GmmaOp<T, N, kMajorA, kMajorB> {                                             \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32##NAME##_SS<kMajorA, kMajorB>; \
   };
+MLA_GMMA_OP(__nv_bfloat16, 16, BF16BF16)
 MLA_GMMA_OP(__nv_bfloat16, 32, BF16BF16)
 MLA_GMMA_OP(__nv_bfloat16, 64, BF16BF16)
 MLA_GMMA_OP(__nv_bfloat16, 256, BF16BF16)
+MLA_GMMA_OP(__half, 16, F16F16)
 MLA_GMMA_OP(__half, 32, F16F16)
 MLA_GMMA_OP(__half, 64, F16F16)
 MLA_GMMA_OP(__half, 256, F16F16)
@@ -35,11 +37,11 @@ __device__ __forceinline__ void gmma_unpack(uint64_t a, uint64_t b, float (&d)[k
   Op::fma(a, b, d[I]..., scale);
 }
 
-// d[64 x N] (+)= A[64 x 16] * B[16 x N]; A is K-major, B K- or MN-major (see smem_layout.cuh).
+// d[64 x N] (+)= A[64 x 16] * B[16 x N], each operand K- or MN-major (see smem_layout.cuh).
 // Each thread of the warpgroup holds N / 2 accumulators.
-template <typename T, int N, Major kMajorB>
+template <typename T, int N, Major kMajorA, Major kMajorB>
 __device__ __forceinline__ void gmma(uint64_t a_desc, uint64_t b_desc, float (&d)[N / 2], bool accumulate) {
-  using Op = typename GmmaOp<T, N, kMajorB>::type;
+  using Op = typename GmmaOp<T, N, kMajorA, kMajorB>::type;
   gmma_unpack<Op>(a_desc, b_desc, d, accumulate ? ScaleOut::One : ScaleOut::Zero,
                   std::make_index_sequence<N / 2>{});
 }

@@ -29,8 +29,8 @@ struct DecodeParams {
   const int* num_splits;      // [b + 1], cumulative pieces per sequence
   void* out;                  // [b, s_q, h_q, 512] bf16/fp16
   float* lse;                 // [b, h_q, s_q]
-  float* out_accum;           // [b + num_parts, s_q * h_q, 512]: partial results of split sequences
-  float* lse_accum;           // [b + num_parts, s_q * h_q]
+  float* out_accum;           // [slots, s_q * h_q, 512]: partial results, slots = (b + num_parts) * pieces
+  float* lse_accum;           // [slots, s_q * h_q]
 
   // The cache as a 3-D tensor (columns, KV head, slot): bf16/fp16 elements with 128-byte
   // swizzled boxes of 64 columns, or, for the FP8 layout, 164 uint32 words per token, unswizzled.
@@ -39,6 +39,7 @@ struct DecodeParams {
 
 struct CombineParams {
   int batch, s_q, h_q;
+  int slots_per_piece;       // out_accum rows per scheduler piece: 2 for the narrow kernel
   const int* num_splits;     // [b + 1]
   const float* out_accum;    // [b + num_parts, s_q * h_q, 512]
   const float* lse_accum;    // [b + num_parts, s_q * h_q]
@@ -50,7 +51,15 @@ struct CombineParams {
 template <bool kFp8>
 constexpr int block_n() { return kFp8 ? 32 : 64; }
 
-template <typename T, bool kFp8>
+// Query rows per KV head up to which the decode kernel swaps them into the N dimension of its
+// products (consumer_narrow.cuh): 16 or 32, or 0 for the 64-row kernel. The narrow kernel
+// writes two pieces per scheduler piece, always merged by the combine kernel.
+inline int narrow_rows(int rows_per_kv, bool is_fp8) {
+  if (is_fp8) return 0;
+  return rows_per_kv <= 16 ? 16 : rows_per_kv <= 32 ? 32 : 0;
+}
+
+template <typename T, bool kFp8, int kNarrow>
 void run_decode(const DecodeParams& params, cudaStream_t stream);
 
 template <typename T>

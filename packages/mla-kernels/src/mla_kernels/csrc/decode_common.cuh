@@ -1,0 +1,119 @@
+// Pieces shared by the producer and both consumer variants of the decode kernel.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "gmma.cuh"
+#include "params.h"
+#include "smem_layout.cuh"
+#include "tile_cursor.cuh"
+
+namespace mla {
+
+using cutlass::arch::ClusterBarrier;
+using cutlass::arch::ClusterTransactionBarrier;
+using cutlass::arch::NamedBarrier;
+
+constexpr int kThreads = 384;
+constexpr int kConsumerThreads = 256;
+constexpr int kStages = 2;
+constexpr int kStagingStages = 3;
+constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+// Named barriers (cutlass offsets the ids past its reserved ones).
+enum NamedBarriers : uint32_t {
+  kQReady = 1,       // Q is in shared memory
+  kPReady = 2,       // wide: P and the row factors are in shared memory
+  kPFree = 3,        // wide: consumer 1 is done reading them
+  kStagingRead = 4,  // FP8 producer: the staging slot is converted
+  kQFree = 5,        // narrow: both consumers are done with the last sequence's Q
+  kWarpgroupSync = 6,  // narrow: + warpgroup index, exchanges inside one consumer
+};
+
+template <typename T, bool kFp8>
+struct SharedStorage {
+  static constexpr int kBlockN = block_n<kFp8>();
+  T q[kBlockM * kHeadDim];
+  T k[kStages][kBlockN * kHeadDim];
+  T p[kBlockM * kChunkCols];  // only the first kBlockN columns are used
+  alignas(128) uint8_t staging[kFp8 ? kStagingStages : 1][kFp8 ? kBlockN * kFp8TokenBytes : 128];
+  float row_factor[kBlockM];  // wide: per-row factors handed from consumer 0 to consumer 1
+  uint64_t k_full[kStages], k_empty[kStages], staging_full[kStagingStages];
+};
+
+template <typename T, bool kFp8>
+constexpr int shared_bytes() {
+  return sizeof(SharedStorage<T, kFp8>) + 1024;  // room to align the start to 1024 bytes
+}
+
+template <typename T, bool kFp8>
+__device__ __forceinline__ SharedStorage<T, kFp8>& shared_storage() {
+  extern __shared__ uint8_t smem[];
+  const uint32_t misalignment = smem_address(smem) % 1024;
+  return *reinterpret_cast<SharedStorage<T, kFp8>*>(smem + (misalignment ? 1024 - misalignment : 0));
+}
+
+// Where the accumulator fragments of a thread lie: rows `row` and `row + 8`, columns
+// 8 * i + col and + 1 for each 8-column group i (the wgmma register layout).
+struct Fragment {
+  int row, col;
+  __device__ explicit Fragment(int tid) : row((tid / 32) * 16 + (tid % 32) / 4), col((tid % 4) * 2) {}
+};
+
+// The (query position, head) a row of this CTA's query block stands for; valid is false for
+// the padding rows past rows_per_kv. `index` is its row in out / out_accum: s * h_q + h.
+struct QueryRow {
+  int s = 0, h = 0, index = 0;
+  bool valid = false;
+  QueryRow() = default;
+  __device__ QueryRow(const DecodeParams& p, int row, int head) {
+    const int r = blockIdx.x * kBlockM + row;
+    valid = r < p.rows_per_kv;
+    s = r / p.heads_per_kv;
+    h = head * p.heads_per_kv + r % p.heads_per_kv;
+    index = s * p.h_q + h;
+  }
+  // The last token this query sees.
+  __device__ int last_visible(const DecodeParams& p, int seqlen) const {
+    return p.causal ? seqlen - p.s_q + s : INT_MAX;
+  }
+};
+
+// Rows [0, rows) of this CTA's query block into the swizzled Q tile, zeros past rows_per_kv;
+// `thread` of `threads` cooperating threads.
+template <typename T>
+__device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int rows, int thread, int threads) {
+  constexpr int kPieces = kHeadDim / 8;
+  const T* q = static_cast<const T*>(p.q);
+#pragma unroll 4
+  for (int i = thread; i < rows * kPieces; i += threads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    const QueryRow qr(p, row, head);
+    uint4 value = make_uint4(0, 0, 0, 0);
+    if (qr.valid) {
+      const int64_t offset = ((int64_t(batch) * p.s_q + qr.s) * p.h_q + qr.h) * kHeadDim + piece * 8;
+      value = __ldg(reinterpret_cast<const uint4*>(q + offset));
+    }
+    *reinterpret_cast<uint4*>(sq + swizzled_offset(kBlockM, row, piece * 8)) = value;
+  }
+}
+
+// Zero V's columns of the rows at or past `length` of a TMA-filled tile: those slots may hold
+// NaN, and a zero probability times NaN is NaN.
+template <typename T, int kBlockN>
+__device__ void zero_tail_rows(T* tile, int length, int tid) {  // by one warpgroup
+  constexpr int kPieces = kHeadDimV / 8;
+  for (int i = tid; i < (kBlockN - length) * kPieces; i += 128) {
+    const int row = length + i / kPieces, piece = i % kPieces;
+    *reinterpret_cast<uint4*>(tile + swizzled_offset(kBlockN, row, piece * 8)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+}  // namespace mla
