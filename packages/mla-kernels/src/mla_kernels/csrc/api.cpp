@@ -30,20 +30,18 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
-// The cache seen by the TMA engine as (columns, KV head, slot); see DecodeParams.
-CUtensorMap kv_tensor_map(const at::Tensor& k_cache, bool is_fp8, int box_rows) {
+// A 16-bit cache seen by the TMA engine as (columns, KV head, slot); see DecodeParams.
+CUtensorMap kv_tensor_map(const at::Tensor& k_cache) {
   const cuuint64_t slots = k_cache.size(0) * k_cache.size(1), h_kv = k_cache.size(2);
-  const cuuint64_t row_bytes = is_fp8 ? kFp8TokenBytes : kHeadDim * 2;
-  const cuuint64_t dims[3] = {is_fp8 ? row_bytes / 4 : kHeadDim, h_kv, slots};
+  const cuuint64_t row_bytes = kHeadDim * 2;
+  const cuuint64_t dims[3] = {kHeadDim, h_kv, slots};
   const cuuint64_t strides[2] = {row_bytes, h_kv * row_bytes};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(is_fp8 ? row_bytes / 4 : 64), 1,
-                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(std::min<int64_t>(k_cache.size(1), kBlockN))};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   CUtensorMap map;
   const CUresult result = tensor_map_encoder()(
-      &map, is_fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT32 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, k_cache.data_ptr(), dims,
-      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      is_fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, k_cache.data_ptr(), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
               ") for a k_cache of shape ", k_cache.sizes());
@@ -52,11 +50,15 @@ CUtensorMap kv_tensor_map(const at::Tensor& k_cache, bool is_fp8, int box_rows) 
 
 template <typename T>
 void launch(const DecodeParams& params, const CombineParams& combine, bool is_fp8, cudaStream_t stream) {
-  switch (is_fp8 ? -1 : narrow_rows(params.rows_per_kv, false)) {
-    case -1: run_decode<T, true, 0>(params, stream); break;
-    case 16: run_decode<T, false, 16>(params, stream); break;
-    case 32: run_decode<T, false, 32>(params, stream); break;
-    default: run_decode<T, false, 0>(params, stream);
+  const int narrow = narrow_rows(params.rows_per_kv, is_fp8);
+  if (is_fp8) {
+    narrow ? run_decode<T, true, 16>(params, stream) : run_decode<T, true, 0>(params, stream);
+  } else {
+    switch (narrow) {
+      case 16: run_decode<T, false, 16>(params, stream); break;
+      case 32: run_decode<T, false, 32>(params, stream); break;
+      default: run_decode<T, false, 0>(params, stream);
+    }
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   run_combine<T>(combine, stream);
@@ -111,8 +113,11 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   params.lse = lse.data_ptr<float>();
   params.out_accum = out_accum.data_ptr<float>();
   params.lse_accum = lse_accum.data_ptr<float>();
-  const int block_tokens = is_fp8_kvcache ? block_n<true>() : block_n<false>();
-  params.kv_tensor_map = kv_tensor_map(k_cache, is_fp8_kvcache, std::min(page_size, block_tokens));
+  if (is_fp8_kvcache) {
+    params.k_cache = static_cast<const uint8_t*>(k_cache.data_ptr());
+  } else {
+    params.kv_tensor_map = kv_tensor_map(k_cache);
+  }
 
   CombineParams combine{batch,      s_q,       h_q, slots_per_piece, params.num_splits, params.out_accum,
                         params.lse_accum, params.out, params.lse};

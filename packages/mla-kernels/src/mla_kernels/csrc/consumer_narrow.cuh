@@ -28,8 +28,7 @@ __device__ __forceinline__ float sum_over_token_lanes(float v) {
 }
 
 template <typename T, int kN>
-__device__ void consume_narrow(const DecodeParams& p, SharedStorage<T, false>& s, int head, int wg, int tid) {
-  constexpr int kBlockN = block_n<false>();
+__device__ void consume_narrow(const DecodeParams& p, SharedStorage<T>& s, int head, int wg, int tid) {
   constexpr int kChunkBytes = kBlockN * kChunkCols * sizeof(T);
   constexpr int kCols = kN / 4;  // query columns per thread: 8 * (c / 2) + 2 * (lane % 4) + c % 2
   constexpr int kVTiles = kHeadDimV / 64;
@@ -56,7 +55,7 @@ __device__ void consume_narrow(const DecodeParams& p, SharedStorage<T, false>& s
   float o[kVTiles][kN / 2];
   float col_max[kCols], col_sum[kCols];
   int j = 0;
-  TileCursor<kBlockN> tile(p, blockIdx.z);
+  TileCursor tile(p, blockIdx.z);
   while (!tile.done()) {
     const Segment segment = tile.segment();
     NamedBarrier::arrive_and_wait(kConsumerThreads, kQFree);
@@ -77,7 +76,7 @@ __device__ void consume_narrow(const DecodeParams& p, SharedStorage<T, false>& s
         const int length = tile.length(), first_token = tile.token;
         ClusterBarrier::wait(&s.k_full[stage], (j / kStages) & 1);
         const uint64_t k_desc = k_desc0 + stage * kStageStep, v_desc = v_desc0 + stage * kStageStep;
-        if (length < kBlockN) zero_tail_rows<T, kBlockN>(s.k[stage], length, tid);
+        if (length < kBlockN) zero_tail_rows<T>(s.k[stage], length, tid);
 
         float scores[kN / 2];  // scores[4 i + 2 half + e]: token row + 8 half, query column 2 i + e
         fence_accumulators(scores);

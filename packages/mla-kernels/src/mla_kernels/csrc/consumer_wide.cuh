@@ -11,9 +11,8 @@
 
 namespace mla {
 
-template <typename T, bool kFp8>
-__device__ void consume_wide(const DecodeParams& p, SharedStorage<T, kFp8>& s, int head, int wg, int tid) {
-  constexpr int kBlockN = block_n<kFp8>();
+template <typename T>
+__device__ void consume_wide(const DecodeParams& p, SharedStorage<T>& s, int head, int wg, int tid) {
   constexpr int kChunkBytes = kBlockN * kChunkCols * sizeof(T);
   const Fragment frag(tid);
   const QueryRow query_rows[2] = {QueryRow(p, frag.row, head), QueryRow(p, frag.row + 8, head)};
@@ -29,7 +28,7 @@ __device__ void consume_wide(const DecodeParams& p, SharedStorage<T, kFp8>& s, i
   bool first_handoff = true;
   int j = 0;
 
-  TileCursor<kBlockN> tile(p, blockIdx.z);
+  TileCursor tile(p, blockIdx.z);
   while (!tile.done()) {
     const Segment segment = tile.segment();
     if (wg == 0) {
@@ -107,8 +106,8 @@ __device__ void consume_wide(const DecodeParams& p, SharedStorage<T, kFp8>& s, i
         cutlass::arch::fence_view_async_shared();
         NamedBarrier::arrive_and_wait(kConsumerThreads, kPReady);
       } else {
-        if (!kFp8 && length < kBlockN) {
-          zero_tail_rows<T, kBlockN>(s.k[stage], length, tid);
+        if (length < kBlockN) {
+          zero_tail_rows<T>(s.k[stage], length, tid);
           cutlass::arch::fence_view_async_shared();
         }
         NamedBarrier::arrive_and_wait(kConsumerThreads, kPReady);

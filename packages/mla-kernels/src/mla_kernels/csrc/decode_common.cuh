@@ -24,7 +24,6 @@ using cutlass::arch::NamedBarrier;
 constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kStages = 2;
-constexpr int kStagingStages = 3;
 constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
 // Named barriers (cutlass offsets the ids past its reserved ones).
@@ -32,32 +31,29 @@ enum NamedBarriers : uint32_t {
   kQReady = 1,       // Q is in shared memory
   kPReady = 2,       // wide: P and the row factors are in shared memory
   kPFree = 3,        // wide: consumer 1 is done reading them
-  kStagingRead = 4,  // FP8 producer: the staging slot is converted
-  kQFree = 5,        // narrow: both consumers are done with the last sequence's Q
-  kWarpgroupSync = 6,  // narrow: + warpgroup index, exchanges inside one consumer
+  kQFree = 4,        // narrow: both consumers are done with the last sequence's Q
+  kWarpgroupSync = 5,  // narrow: + warpgroup index, exchanges inside one consumer
 };
 
-template <typename T, bool kFp8>
+template <typename T>
 struct SharedStorage {
-  static constexpr int kBlockN = block_n<kFp8>();
   T q[kBlockM * kHeadDim];
   T k[kStages][kBlockN * kHeadDim];
-  T p[kBlockM * kChunkCols];  // only the first kBlockN columns are used
-  alignas(128) uint8_t staging[kFp8 ? kStagingStages : 1][kFp8 ? kBlockN * kFp8TokenBytes : 128];
+  T p[kBlockM * kChunkCols];
   float row_factor[kBlockM];  // wide: per-row factors handed from consumer 0 to consumer 1
-  uint64_t k_full[kStages], k_empty[kStages], staging_full[kStagingStages];
+  uint64_t k_full[kStages], k_empty[kStages];
 };
 
-template <typename T, bool kFp8>
+template <typename T>
 constexpr int shared_bytes() {
-  return sizeof(SharedStorage<T, kFp8>) + 1024;  // room to align the start to 1024 bytes
+  return sizeof(SharedStorage<T>) + 1024;  // room to align the start to 1024 bytes
 }
 
-template <typename T, bool kFp8>
-__device__ __forceinline__ SharedStorage<T, kFp8>& shared_storage() {
+template <typename T>
+__device__ __forceinline__ SharedStorage<T>& shared_storage() {
   extern __shared__ uint8_t smem[];
   const uint32_t misalignment = smem_address(smem) % 1024;
-  return *reinterpret_cast<SharedStorage<T, kFp8>*>(smem + (misalignment ? 1024 - misalignment : 0));
+  return *reinterpret_cast<SharedStorage<T>*>(smem + (misalignment ? 1024 - misalignment : 0));
 }
 
 // Where the accumulator fragments of a thread lie: rows `row` and `row + 8`, columns
@@ -107,7 +103,7 @@ __device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int ro
 
 // Zero V's columns of the rows at or past `length` of a TMA-filled tile: those slots may hold
 // NaN, and a zero probability times NaN is NaN.
-template <typename T, int kBlockN>
+template <typename T>
 __device__ void zero_tail_rows(T* tile, int length, int tid) {  // by one warpgroup
   constexpr int kPieces = kHeadDimV / 8;
   for (int i = tid; i < (kBlockN - length) * kPieces; i += 128) {

@@ -1,9 +1,9 @@
 // Split-KV MLA decode attention for sm_90a.
 //
-// Grid: (query-row blocks of 64, KV heads, scheduler partitions). Each CTA walks the KV tiles
-// of its partition (tile_cursor.cuh) with three warpgroups: a producer that fills a two-stage
-// ring of K tiles in shared memory (producer.cuh), and two consumers that turn them into
-// attention (consumer_wide.cuh for up to 64 query rows, consumer_narrow.cuh for at most 32).
+// Grid: (query-row blocks of 64, KV heads, scheduler partitions). Each CTA walks the 64-token
+// KV tiles of its partition (tile_cursor.cuh) with three warpgroups: a producer that fills a
+// two-stage ring of K tiles in shared memory (producer.cuh), and two consumers that turn them
+// into attention (consumer_wide.cuh for up to 64 query rows, consumer_narrow.cuh for at most 32).
 // A sequence the scheduler split across partitions is written as normalized fp32 pieces plus
 // their lse, which combine_kernel.cuh merges; an unsplit one goes straight to `out`.
 #pragma once
@@ -19,7 +19,7 @@ namespace mla {
 
 template <typename T, bool kFp8, int kNarrow>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
-  auto& s = shared_storage<T, kFp8>();
+  auto& s = shared_storage<T>();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int head = blockIdx.y;
   if (threadIdx.x == 0) {
@@ -27,33 +27,32 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       ClusterBarrier::init(&s.k_full[i], kFp8 ? 128 : 1);
       ClusterBarrier::init(&s.k_empty[i], kNarrow ? 128 : kConsumerThreads);  // narrow: one consumer a tile
     }
-    for (int i = 0; i < kStagingStages; ++i) ClusterBarrier::init(&s.staging_full[i], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
+  // The FP8 producer holds a tile of raw tokens in registers (82 per thread).
   if (wg == 2) {
-    cutlass::arch::warpgroup_reg_dealloc<kFp8 ? 56 : 40>();
+    cutlass::arch::warpgroup_reg_dealloc<kFp8 ? 112 : 40>();
     if constexpr (kFp8) {
-      produce_dequantized<T>(p, s, head, tid);
+      produce_from_fp8<T>(p, s, head, tid);
     } else if (tid == 0) {
-      produce_direct<T>(p, s, head);
+      produce_by_tma<T>(p, s, head);
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kFp8 ? 224 : 232>();
+    cutlass::arch::warpgroup_reg_alloc<kFp8 ? 200 : 232>();
     if constexpr (kNarrow > 0) {
       consume_narrow<T, kNarrow>(p, s, head, wg, tid);
     } else {
-      consume_wide<T, kFp8>(p, s, head, wg, tid);
+      consume_wide<T>(p, s, head, wg, tid);
     }
   }
 }
 
 template <typename T, bool kFp8, int kNarrow>
 void run_decode(const DecodeParams& params, cudaStream_t stream) {
-  static_assert(!(kFp8 && kNarrow), "the narrow consumers read 64-token tiles; FP8 tiles have 32");
   auto kernel = mla_decode_kernel<T, kFp8, kNarrow>;
-  constexpr int bytes = shared_bytes<T, kFp8>();
+  constexpr int bytes = shared_bytes<T>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   const dim3 grid((params.rows_per_kv + kBlockM - 1) / kBlockM, params.h_kv, params.num_parts);
   kernel<<<grid, kThreads, bytes, stream>>>(params);

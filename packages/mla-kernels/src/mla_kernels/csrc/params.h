@@ -10,6 +10,7 @@ constexpr int kHeadDim = 576;      // latent (512) + rope (64) per cached token
 constexpr int kHeadDimV = 512;     // V is the first 512 columns of K
 constexpr int kFp8TokenBytes = 656;  // 512 e4m3 + 4 fp32 scales + 64 bf16 rope
 constexpr int kBlockM = 64;        // query rows per CTA
+constexpr int kBlockN = 64;        // tokens per KV tile
 constexpr int kSchedBlock = 64;    // tokens per block of the tile scheduler
 constexpr int kMetadataWidth = 5;  // begin_batch, begin_block, end_batch, end_block, begin_split
 
@@ -23,6 +24,7 @@ struct DecodeParams {
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
 
   const void* q;              // [b, s_q, h_q, 576] bf16/fp16
+  const uint8_t* k_cache;     // FP8 layout: [num_blocks, page_size, h_kv, 656] (read without TMA)
   const int* block_table;     // [b, max_blocks_per_seq]
   const int* cache_seqlens;   // [b]
   const int* metadata;        // [num_parts, kMetadataWidth]
@@ -32,8 +34,8 @@ struct DecodeParams {
   float* out_accum;           // [slots, s_q * h_q, 512]: partial results, slots = (b + num_parts) * pieces
   float* lse_accum;           // [slots, s_q * h_q]
 
-  // The cache as a 3-D tensor (columns, KV head, slot): bf16/fp16 elements with 128-byte
-  // swizzled boxes of 64 columns, or, for the FP8 layout, 164 uint32 words per token, unswizzled.
+  // A 16-bit cache as a 3-D tensor (columns, KV head, slot) in 128-byte swizzled boxes of 64
+  // columns and min(page_size, 64) slots.
   CUtensorMap kv_tensor_map;
 };
 
@@ -47,16 +49,12 @@ struct CombineParams {
   float* lse;                // [b, h_q, s_q]
 };
 
-// Tokens per KV tile, and so rows of the cache a TMA box covers at most.
-template <bool kFp8>
-constexpr int block_n() { return kFp8 ? 32 : 64; }
-
 // Query rows per KV head up to which the decode kernel swaps them into the N dimension of its
 // products (consumer_narrow.cuh): 16 or 32, or 0 for the 64-row kernel. The narrow kernel
-// writes two pieces per scheduler piece, always merged by the combine kernel.
+// writes two pieces per scheduler piece, always merged by the combine kernel. With an FP8
+// cache the producer's registers leave room for the 16-row consumers only.
 inline int narrow_rows(int rows_per_kv, bool is_fp8) {
-  if (is_fp8) return 0;
-  return rows_per_kv <= 16 ? 16 : rows_per_kv <= 32 ? 32 : 0;
+  return rows_per_kv <= 16 ? 16 : rows_per_kv <= 32 && !is_fp8 ? 32 : 0;
 }
 
 template <typename T, bool kFp8, int kNarrow>

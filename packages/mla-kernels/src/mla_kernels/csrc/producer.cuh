@@ -1,5 +1,10 @@
-// The producer warpgroup: fills the two-stage ring of K tiles, straight by TMA (16-bit cache)
-// or through a staging ring of raw FP8 tokens that it dequantizes.
+// The producer warpgroup: fills the two-stage ring of K tiles in shared memory.
+//
+// A 16-bit cache goes straight in by TMA, issued by one thread. An FP8 cache goes through
+// the registers of all 128 threads: raw tokens are loaded for the next tile while the ring
+// slot is still in use, then dequantized into it. (Staging raw tiles in shared memory instead
+// would leave room for 32-token tiles only, whose small products run at half the rate.)
+// Slots past a tile's length are left as they are; the consumers zero their V columns.
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -9,101 +14,118 @@
 
 namespace mla {
 
-// The cache slot (row of the tensor map) holding token `token` of sequence `batch`; -1, which
-// the TMA engine reads as zeros, for a page index past the block table.
-__device__ __forceinline__ int cache_row(const DecodeParams& p, int batch, int token) {
+// The cache slot holding token `token` of sequence `batch`; -1 for a page index past the block
+// table (the TMA engine reads it as zeros; the FP8 loads skip it).
+__device__ __forceinline__ int cache_slot(const DecodeParams& p, int batch, int token) {
   const int page = token / p.page_size;
   if (page >= p.max_blocks_per_seq) return -1;
   const int block = __ldg(p.block_table + batch * p.max_blocks_per_seq + page);
   return block * p.page_size + token % p.page_size;
 }
 
-// Issue the TMA copies of one tile (whole pages, or whole tile-sized pieces of a page) and
-// arm `barrier` with the bytes they will deliver. `row_bytes` is one token's size in the box.
-template <int kBlockN, int kColumnBoxes>
-__device__ __forceinline__ void load_tile(const DecodeParams& p, const TileCursor<kBlockN>& tile,
-                                          int head, uint64_t* barrier, uint8_t* dst,
-                                          int box_bytes_per_row, int column_box_stride) {
-  const int box_rows = min(p.page_size, kBlockN);
-  const int boxes = (tile.length() + box_rows - 1) / box_rows;
-  ClusterTransactionBarrier::arrive_and_expect_tx(barrier, boxes * box_rows * box_bytes_per_row);
-  for (int i = 0; i < boxes; ++i) {
-    const int row = cache_row(p, tile.batch, tile.token + i * box_rows);
-#pragma unroll
-    for (int j = 0; j < kColumnBoxes; ++j) {
-      cute::SM90_TMA_LOAD_3D::copy(&p.kv_tensor_map, barrier, kCacheHint,
-                                   dst + j * column_box_stride + i * box_rows * (box_bytes_per_row / kColumnBoxes),
-                                   j * kChunkCols, head, row);
-    }
-  }
-}
-
 template <typename T>
-__device__ void produce_direct(const DecodeParams& p, SharedStorage<T, false>& s, int head) {
-  constexpr int kBlockN = block_n<false>();
+__device__ void produce_by_tma(const DecodeParams& p, SharedStorage<T>& s, int head) {
+  constexpr int kColumnBoxes = kHeadDim / kChunkCols;
+  constexpr int kChunkBytes = kBlockN * kChunkCols * sizeof(T);
+  const int box_rows = min(p.page_size, kBlockN);  // whole pages, or tile-sized pieces of one
   int j = 0;
-  for (TileCursor<kBlockN> tile(p, blockIdx.z); !tile.done(); tile.advance(), ++j) {
+  for (TileCursor tile(p, blockIdx.z); !tile.done(); tile.advance(), ++j) {
     const int stage = j % kStages;
     ClusterBarrier::wait(&s.k_empty[stage], ((j / kStages) & 1) ^ 1);
-    load_tile<kBlockN, kHeadDim / kChunkCols>(p, tile, head, &s.k_full[stage],
-                                               reinterpret_cast<uint8_t*>(s.k[stage]),
-                                               kHeadDim * sizeof(T), kBlockN * kChunkCols * sizeof(T));
+    const int boxes = (tile.length() + box_rows - 1) / box_rows;
+    ClusterTransactionBarrier::arrive_and_expect_tx(&s.k_full[stage], boxes * box_rows * kHeadDim * sizeof(T));
+    uint8_t* tile_bytes = reinterpret_cast<uint8_t*>(s.k[stage]);
+    for (int i = 0; i < boxes; ++i) {
+      const int slot = cache_slot(p, tile.batch, tile.token + i * box_rows);
+#pragma unroll
+      for (int c = 0; c < kColumnBoxes; ++c) {
+        cute::SM90_TMA_LOAD_3D::copy(&p.kv_tensor_map, &s.k_full[stage], kCacheHint,
+                                     tile_bytes + c * kChunkBytes + i * box_rows * kChunkCols * sizeof(T),
+                                     c * kChunkCols, head, slot);
+      }
+    }
   }
 }
 
-// The staging buffer's FP8-layout tokens into the swizzled 16-bit tile. Thread t converts
-// latent piece t % 64 (8 values) of every other row and two of the rope pieces; rows at or past
-// `length` become zeros (the slots past a sequence may hold NaN).
-template <typename T, int kBlockN>
-__device__ __forceinline__ void dequantize_tile(const uint8_t* staging, T* tile, int length, int tid) {
-  constexpr int kLatentPieces = kHeadDimV / 8, kRopePieces = (kHeadDim - kHeadDimV) / 8;
-  constexpr int kRowsPerStep = 128 / kLatentPieces;
-  const int piece = tid % kLatentPieces, first_row = tid / kLatentPieces;
-  const uint8_t* source = staging + first_row * kFp8TokenBytes;
+// One tile of FP8-layout tokens in registers. Thread t holds, for rows t % 32 and t % 32 + 32,
+// the 128 latent values of scale group t / 32 (one group per warp, so the eight threads of a
+// shared-memory store phase write eight rows: no bank conflicts) and their scale, and four
+// 16-byte pieces of rope.
+struct Fp8Tile {
+  static constexpr int kRowsPerThread = 2, kRopePieces = 4;
+  uint4 latent[kRowsPerThread][8];
+  float scale[kRowsPerThread];
+  uint4 rope[kRopePieces];
+};
+
+__device__ __forceinline__ int fp8_latent_row(int tid, int r) { return tid % 32 + r * 32; }
+__device__ __forceinline__ int fp8_rope_row(int tid, int i) { return (tid + i * 128) / 8; }
+
+__device__ __forceinline__ const uint8_t* fp8_token(const DecodeParams& p, const TileCursor& tile, int head,
+                                                    int row) {
+  if (row >= tile.length()) return nullptr;
+  const int slot = cache_slot(p, tile.batch, tile.token + row);
+  if (slot < 0) return nullptr;
+  return p.k_cache + (int64_t(slot) * p.h_kv + head) * kFp8TokenBytes;
+}
+
+__device__ __forceinline__ void load_fp8_tile(const DecodeParams& p, const TileCursor& tile, int head, int tid,
+                                              Fp8Tile& t) {
+  const int group = tid / 32;
 #pragma unroll
-  for (int i = 0; i < kBlockN / kRowsPerStep; ++i) {
-    const int row = first_row + i * kRowsPerStep;
-    const uint8_t* token = source + i * kRowsPerStep * kFp8TokenBytes;
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (row < length) {
-      const float scale = reinterpret_cast<const float*>(token + kHeadDimV)[piece / 16];
-      packed = fp8x8_to<T>(*reinterpret_cast<const uint2*>(token + piece * 8), scale);
-    }
-    *reinterpret_cast<uint4*>(tile + swizzled_offset(kBlockN, row, piece * 8)) = packed;
+  for (int r = 0; r < Fp8Tile::kRowsPerThread; ++r) {
+    const uint8_t* token = fp8_token(p, tile, head, fp8_latent_row(tid, r));
+    if (token == nullptr) continue;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t.latent[r][i] = __ldg(reinterpret_cast<const uint4*>(token + group * 128 + i * 16));
+    t.scale[r] = __ldg(reinterpret_cast<const float*>(token + kHeadDimV) + group);
   }
 #pragma unroll
-  for (int i = 0; i < kBlockN * kRopePieces / 128; ++i) {
-    const int row = (tid + i * 128) / kRopePieces, rope_piece = tid % kRopePieces;
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (row < length) {
-      const uint8_t* rope = staging + row * kFp8TokenBytes + kFp8TokenBytes - 2 * (kHeadDim - kHeadDimV);
-      packed = bf16x8_to<T>(*reinterpret_cast<const uint4*>(rope + rope_piece * 16));
+  for (int i = 0; i < Fp8Tile::kRopePieces; ++i) {
+    const uint8_t* token = fp8_token(p, tile, head, fp8_rope_row(tid, i));
+    if (token != nullptr) {
+      t.rope[i] = __ldg(reinterpret_cast<const uint4*>(token + kFp8TokenBytes - 128 + (tid % 8) * 16));
     }
-    *reinterpret_cast<uint4*>(tile + swizzled_offset(kBlockN, row, kHeadDimV + rope_piece * 8)) = packed;
   }
 }
 
 template <typename T>
-__device__ void produce_dequantized(const DecodeParams& p, SharedStorage<T, true>& s, int head, int tid) {
-  constexpr int kBlockN = block_n<true>();
-  TileCursor<kBlockN> ahead(p, blockIdx.z);
-  auto issue = [&](int slot) {
-    load_tile<kBlockN, 1>(p, ahead, head, &s.staging_full[slot], s.staging[slot], kFp8TokenBytes, 0);
-    ahead.advance();
-  };
-  if (tid == 0) {
-    for (int slot = 0; slot < kStagingStages && !ahead.done(); ++slot) issue(slot);
+__device__ __forceinline__ void store_fp8_tile(const Fp8Tile& t, int length, int tid, T* dst) {
+  const int group = tid / 32;
+#pragma unroll
+  for (int r = 0; r < Fp8Tile::kRowsPerThread; ++r) {
+    const int row = fp8_latent_row(tid, r);
+    if (row >= length) continue;
+#pragma unroll
+    for (int piece = 0; piece < 16; ++piece) {
+      const uint4 v = t.latent[r][piece / 2];
+      const uint2 half = piece % 2 ? make_uint2(v.z, v.w) : make_uint2(v.x, v.y);
+      *reinterpret_cast<uint4*>(dst + swizzled_offset(kBlockN, row, group * 128 + piece * 8)) =
+          fp8x8_to<T>(half, t.scale[r]);
+    }
   }
-  int j = 0;
-  for (TileCursor<kBlockN> tile(p, blockIdx.z); !tile.done(); tile.advance(), ++j) {
-    const int slot = j % kStagingStages, stage = j % kStages;
-    ClusterBarrier::wait(&s.staging_full[slot], (j / kStagingStages) & 1);
+#pragma unroll
+  for (int i = 0; i < Fp8Tile::kRopePieces; ++i) {
+    const int row = fp8_rope_row(tid, i);
+    if (row < length) {
+      *reinterpret_cast<uint4*>(dst + swizzled_offset(kBlockN, row, kHeadDimV + (tid % 8) * 8)) = bf16x8_to<T>(t.rope[i]);
+    }
+  }
+}
+
+template <typename T>
+__device__ void produce_from_fp8(const DecodeParams& p, SharedStorage<T>& s, int head, int tid) {
+  TileCursor tile(p, blockIdx.z);
+  Fp8Tile next;
+  if (!tile.done()) load_fp8_tile(p, tile, head, tid, next);
+  for (int j = 0; !tile.done(); ++j) {
+    const int stage = j % kStages, length = tile.length();
     ClusterBarrier::wait(&s.k_empty[stage], ((j / kStages) & 1) ^ 1);
-    dequantize_tile<T, kBlockN>(s.staging[slot], s.k[stage], tile.length(), tid);
+    store_fp8_tile(next, length, tid, s.k[stage]);
     cutlass::arch::fence_view_async_shared();  // the tensor cores read what plain stores wrote
     ClusterBarrier::arrive(&s.k_full[stage]);
-    NamedBarrier::arrive_and_wait(128, kStagingRead);
-    if (tid == 0 && !ahead.done()) issue(slot);
+    tile.advance();
+    if (!tile.done()) load_fp8_tile(p, tile, head, tid, next);  // in flight while the ring drains
   }
 }
 

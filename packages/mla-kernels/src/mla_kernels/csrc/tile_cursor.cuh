@@ -16,7 +16,6 @@ struct Segment {
   bool last;      // the partition's last stretch
 };
 
-template <int kBlockN>
 struct TileCursor {
   const DecodeParams& p;
   int end_batch, end_block;
