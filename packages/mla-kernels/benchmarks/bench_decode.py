@@ -157,7 +157,9 @@ def print_row(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer lengths and head counts")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--json", default=os.environ.get("BENCH_JSON"), help="write the results here ($BENCH_JSON)"
+    )
     args = parser.parse_args()
     assert mla_kernels.backend("cuda") == "cuda", "needs a Hopper GPU and the sm_90a kernel"
     limits = ceilings()

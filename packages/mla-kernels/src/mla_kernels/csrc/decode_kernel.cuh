@@ -17,6 +17,8 @@
 
 namespace mla {
 
+constexpr uint32_t kLaunchRegisters = 65536 / kThreads / 8 * 8;  // 168
+
 template <typename T, bool kFp8, int kNarrow>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
   auto& s = shared_storage<T>();
@@ -31,16 +33,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   __syncthreads();
 
-  // The FP8 producer holds a tile of raw tokens in registers (82 per thread).
+  // Each thread starts with kLaunchRegisters; the consumers can take only what the producer
+  // gives back (a larger request would wait forever), and the FP8 producer keeps a tile of raw
+  // tokens in registers (82 per thread).
+  constexpr uint32_t kProducerRegisters = kFp8 ? 112 : 40, kConsumerRegisters = kFp8 ? 192 : 232;
+  static_assert(2 * kConsumerRegisters + kProducerRegisters <= 3 * kLaunchRegisters);
   if (wg == 2) {
-    cutlass::arch::warpgroup_reg_dealloc<kFp8 ? 112 : 40>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if constexpr (kFp8) {
       produce_from_fp8<T>(p, s, head, tid);
     } else if (tid == 0) {
       produce_by_tma<T>(p, s, head);
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kFp8 ? 200 : 232>();
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
     if constexpr (kNarrow > 0) {
       consume_narrow<T, kNarrow>(p, s, head, wg, tid);
     } else {
