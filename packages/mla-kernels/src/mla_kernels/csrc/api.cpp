@@ -50,15 +50,10 @@ CUtensorMap kv_tensor_map(const at::Tensor& k_cache) {
 
 template <typename T>
 void launch(const DecodeParams& params, const CombineParams& combine, bool is_fp8, cudaStream_t stream) {
-  const int narrow = narrow_rows(params.rows_per_kv, is_fp8);
   if (is_fp8) {
-    narrow ? run_decode<T, true, 16>(params, stream) : run_decode<T, true, 0>(params, stream);
+    run_decode<T, true>(params, stream);
   } else {
-    switch (narrow) {
-      case 16: run_decode<T, false, 16>(params, stream); break;
-      case 32: run_decode<T, false, 32>(params, stream); break;
-      default: run_decode<T, false, 0>(params, stream);
-    }
+    run_decode<T, false>(params, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   run_combine<T>(combine, stream);
@@ -82,14 +77,12 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   const int batch = q.size(0), s_q = q.size(1), h_q = q.size(2);
   const int page_size = k_cache.size(1), h_kv = k_cache.size(2);
   const int num_parts = tile_scheduler_metadata.size(0);
-  const int slots_per_piece = narrow_rows(s_q * (h_q / h_kv), is_fp8_kvcache) ? 2 : 1;
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out = at::empty({batch, s_q, h_q, kHeadDimV}, q.options());
   at::Tensor lse = at::empty({batch, h_q, s_q}, f32);
   // A sequence is cut at most once per partition boundary, so b + num_parts pieces suffice.
-  const int slots = (batch + num_parts) * slots_per_piece;
-  at::Tensor out_accum = at::empty({slots, s_q * h_q, kHeadDimV}, f32);
-  at::Tensor lse_accum = at::empty({slots, s_q * h_q}, f32);
+  at::Tensor out_accum = at::empty({batch + num_parts, s_q * h_q, kHeadDimV}, f32);
+  at::Tensor lse_accum = at::empty({batch + num_parts, s_q * h_q}, f32);
 
   DecodeParams params{};
   params.batch = batch;
@@ -119,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
     params.kv_tensor_map = kv_tensor_map(k_cache);
   }
 
-  CombineParams combine{batch,      s_q,       h_q, slots_per_piece, params.num_splits, params.out_accum,
-                        params.lse_accum, params.out, params.lse};
+  CombineParams combine{batch,      s_q, h_q, params.num_splits, params.out_accum, params.lse_accum,
+                        params.out, params.lse};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (q.scalar_type() == at::kBFloat16) {
     launch<__nv_bfloat16>(params, combine, is_fp8_kvcache, stream);

@@ -1,4 +1,4 @@
-// Pieces shared by the producer and both consumer variants of the decode kernel.
+// Pieces shared by the producer and the consumers of the decode kernel.
 #pragma once
 
 #include <cuda.h>
@@ -29,10 +29,8 @@ constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::
 // Named barriers (cutlass offsets the ids past its reserved ones).
 enum NamedBarriers : uint32_t {
   kQReady = 1,       // Q is in shared memory
-  kPReady = 2,       // wide: P and the row factors are in shared memory
-  kPFree = 3,        // wide: consumer 1 is done reading them
-  kQFree = 4,        // narrow: both consumers are done with the last sequence's Q
-  kWarpgroupSync = 5,  // narrow: + warpgroup index, exchanges inside one consumer
+  kPReady = 2,       // P and the row factors are in shared memory
+  kPFree = 3,        // consumer 1 is done reading them
 };
 
 template <typename T>
@@ -40,7 +38,7 @@ struct SharedStorage {
   T q[kBlockM * kHeadDim];
   T k[kStages][kBlockN * kHeadDim];
   T p[kBlockM * kChunkCols];
-  float row_factor[kBlockM];  // wide: per-row factors handed from consumer 0 to consumer 1
+  float row_factor[kBlockM];  // per-row factors handed from consumer 0 to consumer 1
   uint64_t k_full[kStages], k_empty[kStages];
 };
 
@@ -66,9 +64,8 @@ struct Fragment {
 // The (query position, head) a row of this CTA's query block stands for; valid is false for
 // the padding rows past rows_per_kv. `index` is its row in out / out_accum: s * h_q + h.
 struct QueryRow {
-  int s = 0, h = 0, index = 0;
-  bool valid = false;
-  QueryRow() = default;
+  int s, h, index;
+  bool valid;
   __device__ QueryRow(const DecodeParams& p, int row, int head) {
     const int r = blockIdx.x * kBlockM + row;
     valid = r < p.rows_per_kv;
@@ -82,14 +79,13 @@ struct QueryRow {
   }
 };
 
-// Rows [0, rows) of this CTA's query block into the swizzled Q tile, zeros past rows_per_kv;
-// `thread` of `threads` cooperating threads.
+// This CTA's query block into the swizzled Q tile, zeros past rows_per_kv; by one warpgroup.
 template <typename T>
-__device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int rows, int thread, int threads) {
+__device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int tid) {
   constexpr int kPieces = kHeadDim / 8;
   const T* q = static_cast<const T*>(p.q);
 #pragma unroll 4
-  for (int i = thread; i < rows * kPieces; i += threads) {
+  for (int i = tid; i < kBlockM * kPieces; i += 128) {
     const int row = i / kPieces, piece = i % kPieces;
     const QueryRow qr(p, row, head);
     uint4 value = make_uint4(0, 0, 0, 0);

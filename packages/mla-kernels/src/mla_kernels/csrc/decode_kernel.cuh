@@ -3,15 +3,14 @@
 // Grid: (query-row blocks of 64, KV heads, scheduler partitions). Each CTA walks the 64-token
 // KV tiles of its partition (tile_cursor.cuh) with three warpgroups: a producer that fills a
 // two-stage ring of K tiles in shared memory (producer.cuh), and two consumers that turn them
-// into attention (consumer_wide.cuh for up to 64 query rows, consumer_narrow.cuh for at most 32).
+// into attention (consumer.cuh).
 // A sequence the scheduler split across partitions is written as normalized fp32 pieces plus
 // their lse, which combine_kernel.cuh merges; an unsplit one goes straight to `out`.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
 
-#include "consumer_narrow.cuh"
-#include "consumer_wide.cuh"
+#include "consumer.cuh"
 #include "decode_common.cuh"
 #include "producer.cuh"
 
@@ -19,7 +18,7 @@ namespace mla {
 
 constexpr uint32_t kLaunchRegisters = 65536 / kThreads / 8 * 8;  // 168
 
-template <typename T, bool kFp8, int kNarrow>
+template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
   auto& s = shared_storage<T>();
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -27,7 +26,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       ClusterBarrier::init(&s.k_full[i], kFp8 ? 128 : 1);
-      ClusterBarrier::init(&s.k_empty[i], kNarrow ? 128 : kConsumerThreads);  // narrow: one consumer a tile
+      ClusterBarrier::init(&s.k_empty[i], kConsumerThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -47,17 +46,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-    if constexpr (kNarrow > 0) {
-      consume_narrow<T, kNarrow>(p, s, head, wg, tid);
-    } else {
-      consume_wide<T>(p, s, head, wg, tid);
-    }
+    consume<T>(p, s, head, wg, tid);
   }
 }
 
-template <typename T, bool kFp8, int kNarrow>
+template <typename T, bool kFp8>
 void run_decode(const DecodeParams& params, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<T, kFp8, kNarrow>;
+  auto kernel = mla_decode_kernel<T, kFp8>;
   constexpr int bytes = shared_bytes<T>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   const dim3 grid((params.rows_per_kv + kBlockM - 1) / kBlockM, params.h_kv, params.num_parts);

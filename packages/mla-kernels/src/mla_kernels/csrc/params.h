@@ -31,8 +31,8 @@ struct DecodeParams {
   const int* num_splits;      // [b + 1], cumulative pieces per sequence
   void* out;                  // [b, s_q, h_q, 512] bf16/fp16
   float* lse;                 // [b, h_q, s_q]
-  float* out_accum;           // [slots, s_q * h_q, 512]: partial results, slots = (b + num_parts) * pieces
-  float* lse_accum;           // [slots, s_q * h_q]
+  float* out_accum;           // [b + num_parts, s_q * h_q, 512]: partial results of split sequences
+  float* lse_accum;           // [b + num_parts, s_q * h_q]
 
   // A 16-bit cache as a 3-D tensor (columns, KV head, slot) in 128-byte swizzled boxes of 64
   // columns and min(page_size, 64) slots.
@@ -41,7 +41,6 @@ struct DecodeParams {
 
 struct CombineParams {
   int batch, s_q, h_q;
-  int slots_per_piece;       // out_accum rows per scheduler piece: 2 for the narrow kernel
   const int* num_splits;     // [b + 1]
   const float* out_accum;    // [b + num_parts, s_q * h_q, 512]
   const float* lse_accum;    // [b + num_parts, s_q * h_q]
@@ -49,15 +48,7 @@ struct CombineParams {
   float* lse;                // [b, h_q, s_q]
 };
 
-// Query rows per KV head up to which the decode kernel swaps them into the N dimension of its
-// products (consumer_narrow.cuh): 16 or 32, or 0 for the 64-row kernel. The narrow kernel
-// writes two pieces per scheduler piece, always merged by the combine kernel. With an FP8
-// cache the producer's registers leave room for the 16-row consumers only.
-inline int narrow_rows(int rows_per_kv, bool is_fp8) {
-  return rows_per_kv <= 16 ? 16 : rows_per_kv <= 32 && !is_fp8 ? 32 : 0;
-}
-
-template <typename T, bool kFp8, int kNarrow>
+template <typename T, bool kFp8>
 void run_decode(const DecodeParams& params, cudaStream_t stream);
 
 template <typename T>

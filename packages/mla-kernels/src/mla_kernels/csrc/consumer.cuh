@@ -1,5 +1,5 @@
-// The consumers for 64 query rows per CTA. Consumer 0 computes S = Q K^T (64 x kBlockN), the
-// online softmax and P; both consumers then add P V into their half of O (64 x 256 each).
+// The two consumer warpgroups, for 64 query rows per CTA. Consumer 0 computes S = Q K^T
+// (64 x kBlockN), the online softmax and P; both then add P V into their half of O (64 x 256).
 // They meet twice per tile on named barriers: kPReady (P and the row factors are in shared
 // memory) and kPFree (consumer 1 is done reading them).
 #pragma once
@@ -12,7 +12,7 @@
 namespace mla {
 
 template <typename T>
-__device__ void consume_wide(const DecodeParams& p, SharedStorage<T>& s, int head, int wg, int tid) {
+__device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, int wg, int tid) {
   constexpr int kChunkBytes = kBlockN * kChunkCols * sizeof(T);
   const Fragment frag(tid);
   const QueryRow query_rows[2] = {QueryRow(p, frag.row, head), QueryRow(p, frag.row + 8, head)};
@@ -32,7 +32,7 @@ __device__ void consume_wide(const DecodeParams& p, SharedStorage<T>& s, int hea
   while (!tile.done()) {
     const Segment segment = tile.segment();
     if (wg == 0) {
-      load_q(p, s.q, segment.batch, head, kBlockM, tid, 128);
+      load_q(p, s.q, segment.batch, head, tid);
       cutlass::arch::fence_view_async_shared();
       NamedBarrier::arrive_and_wait(128, kQReady);
     }
