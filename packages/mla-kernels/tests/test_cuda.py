@@ -92,7 +92,7 @@ def test_grid(b, s_q, s_k, h_q, h_kv, varlen, causal, cuda_generator):
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("is_fp8_kvcache", [False, True])
-@pytest.mark.parametrize("h_q", [8, 16, 48])  # 16, 32 and 96 query rows: every consumer variant
+@pytest.mark.parametrize("h_q", [8, 16, 48])  # 16, 32 and 96 query rows per KV head
 def test_page_sizes_dtypes_and_fp8(page_size, dtype, is_fp8_kvcache, h_q, cuda_generator):
     seqlens = [*varlen_seqlens(6, 1000, 2, cuda_generator), 1, 63, 64, 65]
     case = decode_case(seqlens, 2, h_q, 1, page_size, dtype, is_fp8_kvcache, "cuda", cuda_generator)
