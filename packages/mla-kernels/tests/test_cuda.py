@@ -80,11 +80,20 @@ def grid_cases():
 
 
 @needs_hopper
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
 @pytest.mark.parametrize(("b", "s_q", "s_k", "h_q", "h_kv", "varlen", "causal"), grid_cases())
-def test_grid(b, s_q, s_k, h_q, h_kv, varlen, causal, cuda_generator):
+def test_grid(b, s_q, s_k, h_q, h_kv, varlen, causal, is_fp8_kvcache, cuda_generator):
     assert mla_kernels.backend("cuda") == "cuda"
     seqlens = varlen_seqlens(b, s_k, s_q, cuda_generator) if varlen else [s_k] * b
-    case = decode_case(seqlens, s_q, h_q, h_kv, device="cuda", generator=cuda_generator)
+    case = decode_case(
+        seqlens,
+        s_q,
+        h_q,
+        h_kv,
+        is_fp8_kvcache=is_fp8_kvcache,
+        device="cuda",
+        generator=cuda_generator,
+    )
     assert_close(*run_both(case, causal))
 
 
