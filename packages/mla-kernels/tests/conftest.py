@@ -40,9 +40,18 @@ def oracle():
     return float64_attention
 
 
-@pytest.fixture
-def generator():
+def fresh_generator(device: str) -> torch.Generator:
     """Fresh random inputs every run; the seed is printed so a failing run can be repeated."""
     seed = int(torch.randint(0, 2**31, ()))
     print(f"generator seed {seed}")
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@pytest.fixture
+def generator():
+    return fresh_generator("cpu")
+
+
+@pytest.fixture
+def cuda_generator():
+    return fresh_generator("cuda")

@@ -18,13 +18,6 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def cuda_generator():
-    seed = int(torch.randint(0, 2**31, ()))
-    print(f"generator seed {seed}")
-    return torch.Generator(device="cuda").manual_seed(seed)
-
-
 def poison_allocator(case):
     """Hand the op's output allocations memory full of NaN, so unwritten elements show."""
     b, s_q, h_q, _ = case.q.shape

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from mla_kernels.fp8_layout import FP8_CACHE_DTYPES, FP8_TOKEN_BYTES, quantize_fp8
+from mla_kernels.fp8_layout import (
+    FP8_CACHE_DTYPES,
+    FP8_TOKEN_BYTES,
+    LATENT_DIM,
+    ROPE_DIM,
+    quantize_fp8,
+)
 from mla_kernels.reference import HEAD_DIM
-
-LATENT_DIM, ROPE_DIM = 512, 64
 
 
 def write_kv_cache(
