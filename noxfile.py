@@ -60,9 +60,8 @@ def gpu(session: nox.Session, package: str) -> None:
     probe = "import torch; print(torch.cuda.is_available())"
     answer = session.run(python, "-c", probe, silent=True, success_codes=[0, 1]).strip()
     if answer != "True":
-        session.skip(
-            f"{python} has no CUDA torch ({answer.splitlines()[-1]}); run on a GPU machine"
-        )
+        reason = answer.splitlines()[-1] if answer else "no answer"
+        session.skip(f"{python} has no CUDA torch ({reason}); run on a GPU machine")
     tests_dir = package_dir(package) / "tests"
     if not any("pytest.mark.gpu" in path.read_text() for path in tests_dir.rglob("test_*.py")):
         session.skip(f"{package} has no gpu-marked tests")
