@@ -30,19 +30,22 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
-// A 16-bit cache seen by the TMA engine as (columns, KV head, slot); see DecodeParams.
-CUtensorMap kv_tensor_map(const at::Tensor& k_cache) {
+// The cache as (column, KV head, slot) with `column_bytes`-wide columns, in boxes of
+// `box_columns` x 1 x min(page_size, 64); see DecodeParams.
+CUtensorMap cache_tensor_map(const at::Tensor& k_cache, int column_bytes, int box_columns,
+                             CUtensorMapSwizzle swizzle) {
   const cuuint64_t slots = k_cache.size(0) * k_cache.size(1), h_kv = k_cache.size(2);
-  const cuuint64_t row_bytes = kHeadDim * 2;
-  const cuuint64_t dims[3] = {kHeadDim, h_kv, slots};
+  const cuuint64_t row_bytes = k_cache.size(3) * k_cache.element_size();
+  const cuuint64_t dims[3] = {row_bytes / column_bytes, h_kv, slots};
   const cuuint64_t strides[2] = {row_bytes, h_kv * row_bytes};
-  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(std::min<int64_t>(k_cache.size(1), kBlockN))};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_columns), 1,
+                             static_cast<cuuint32_t>(std::min<int64_t>(k_cache.size(1), kBlockN))};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   CUtensorMap map;
   const CUresult result = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, k_cache.data_ptr(), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, column_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT32, 3,
+      k_cache.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
               ") for a k_cache of shape ", k_cache.sizes());
   return map;
@@ -50,10 +53,9 @@ CUtensorMap kv_tensor_map(const at::Tensor& k_cache) {
 
 template <typename T>
 void launch(const DecodeParams& params, const CombineParams& combine, bool is_fp8, cudaStream_t stream) {
-  if (is_fp8) {
-    run_decode<T, true>(params, stream);
-  } else {
-    run_decode<T, false>(params, stream);
+  switch (narrow_rows(params.rows_per_kv, is_fp8)) {
+    case 16: run_decode<T, true, 16>(params, stream); break;
+    default: is_fp8 ? run_decode<T, true, 0>(params, stream) : run_decode<T, false, 0>(params, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   run_combine<T>(combine, stream);
@@ -81,8 +83,10 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   at::Tensor out = at::empty({batch, s_q, h_q, kHeadDimV}, q.options());
   at::Tensor lse = at::empty({batch, h_q, s_q}, f32);
   // A sequence is cut at most once per partition boundary, so b + num_parts pieces suffice.
-  at::Tensor out_accum = at::empty({batch + num_parts, s_q * h_q, kHeadDimV}, f32);
-  at::Tensor lse_accum = at::empty({batch + num_parts, s_q * h_q}, f32);
+  const int slots_per_piece = narrow_rows(s_q * (h_q / h_kv), is_fp8_kvcache) ? 2 : 1;
+  const int slots = (batch + num_parts) * slots_per_piece;
+  at::Tensor out_accum = at::empty({slots, s_q * h_q, kHeadDimV}, f32);
+  at::Tensor lse_accum = at::empty({slots, s_q * h_q}, f32);
 
   DecodeParams params{};
   params.batch = batch;
@@ -106,14 +110,14 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   params.lse = lse.data_ptr<float>();
   params.out_accum = out_accum.data_ptr<float>();
   params.lse_accum = lse_accum.data_ptr<float>();
+  params.kv_tensor_map = cache_tensor_map(k_cache, 2, kChunkCols, CU_TENSOR_MAP_SWIZZLE_128B);
   if (is_fp8_kvcache) {
-    params.k_cache = static_cast<const uint8_t*>(k_cache.data_ptr());
-  } else {
-    params.kv_tensor_map = kv_tensor_map(k_cache);
+    params.fp8_latent_map = cache_tensor_map(k_cache, 4, kHeadDimV / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
+    params.fp8_scale_map = cache_tensor_map(k_cache, 4, kHeadDimV / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
   }
 
-  CombineParams combine{batch,      s_q, h_q, params.num_splits, params.out_accum, params.lse_accum,
-                        params.out, params.lse};
+  CombineParams combine{batch,          s_q,        h_q, slots_per_piece, params.num_splits, params.out_accum,
+                        params.lse_accum, params.out, params.lse};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (q.scalar_type() == at::kBFloat16) {
     launch<__nv_bfloat16>(params, combine, is_fp8_kvcache, stream);

@@ -1,7 +1,7 @@
 // Merges the pieces of sequences the scheduler split across partitions:
 //   out = sum_i exp(lse_i - lse) * out_i,  lse = log(sum_i exp(lse_i)),
 // one warp per (sequence, query position, head) row. Sequences with no tokens get out = 0 and
-// lse = +inf; unsplit ones were written by the decode kernel and are left alone.
+// lse = +inf; those in one piece were written by the decode kernel and are left alone.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,7 +32,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32) mla_combine_kernel(const _
   const int rows = p.s_q * p.h_q;
   const int row = blockIdx.y * kCombineWarps + threadIdx.x / 32;
   if (row >= rows) return;
-  const int first = p.num_splits[batch], pieces = p.num_splits[batch + 1] - first;
+  const int first = p.slots_per_piece * p.num_splits[batch];
+  const int pieces = p.slots_per_piece * p.num_splits[batch + 1] - first;
   if (pieces == 1) return;
 
   const int s = row / p.h_q, h = row % p.h_q;

@@ -8,10 +8,11 @@
 
 #include "decode_common.cuh"
 #include "numeric.cuh"
+#include "producer.cuh"
 
 namespace mla {
 
-template <typename T>
+template <typename T, bool kFp8>
 __device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, int wg, int tid) {
   constexpr int kChunkBytes = kBlockN * kChunkCols * sizeof(T);
   const Fragment frag(tid);
@@ -28,11 +29,18 @@ __device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, in
   bool first_handoff = true;
   int j = 0;
 
+  // FP8: consumer 1's thread 0 refills each stage once both consumers are done with it.
+  const bool issues = kFp8 && wg == 1 && tid == 0;
+  Fp8CopyIssuer<T> issuer(p, 0, 1);
+  if (issues) {
+    for (int i = 0; i < kStages; ++i) issuer.issue(p, s, head);
+  }
+
   TileCursor tile(p, blockIdx.z);
   while (!tile.done()) {
     const Segment segment = tile.segment();
     if (wg == 0) {
-      load_q(p, s.q, segment.batch, head, tid);
+      load_q(p, s.q, segment.batch, head, kBlockM, tid, 128);
       cutlass::arch::fence_view_async_shared();
       NamedBarrier::arrive_and_wait(128, kQReady);
     }
@@ -130,6 +138,10 @@ __device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, in
       fence_accumulators(o);
       if (wg == 1) NamedBarrier::arrive(kConsumerThreads, kPFree);
       ClusterBarrier::arrive(&s.k_empty[stage]);
+      if (issues) {
+        ClusterBarrier::wait(&s.k_empty[stage], (j / kStages) & 1);
+        issuer.issue(p, s, head);
+      }
 
       ++j;
       segment_done = tile.last_in_segment();

@@ -21,7 +21,6 @@ using cutlass::arch::ClusterBarrier;
 using cutlass::arch::ClusterTransactionBarrier;
 using cutlass::arch::NamedBarrier;
 
-constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kStages = 2;
 constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
@@ -31,6 +30,9 @@ enum NamedBarriers : uint32_t {
   kQReady = 1,       // Q is in shared memory
   kPReady = 2,       // P and the row factors are in shared memory
   kPFree = 3,        // consumer 1 is done reading them
+  kRawRead = 4,      // the FP8 producer has read a tile's raw bytes
+  kQFree = 5,        // narrow: both consumers are done with the last sequence's Q
+  kWarpgroupSync = 6,  // narrow: + warpgroup index, exchanges inside one consumer
 };
 
 template <typename T>
@@ -39,19 +41,24 @@ struct SharedStorage {
   T k[kStages][kBlockN * kHeadDim];
   T p[kBlockM * kChunkCols];
   float row_factor[kBlockM];  // per-row factors handed from consumer 0 to consumer 1
+  alignas(128) float fp8_scales[kStages][kBlockN * 4];  // FP8: the raw tile's scales, by TMA
   uint64_t k_full[kStages], k_empty[kStages];
+  uint64_t raw_full[kStages];  // FP8: a stage's raw tokens have landed
 };
 
 template <typename T>
 constexpr int shared_bytes() {
-  return sizeof(SharedStorage<T>) + 1024;  // room to align the start to 1024 bytes
+  return sizeof(SharedStorage<T>);
 }
 
+// The swizzled tiles need 1024-byte alignment. Dynamic shared memory starts at the CTA's
+// shared window when there is no static shared memory, which is aligned; checked anyway,
+// because there is no room left to realign.
 template <typename T>
 __device__ __forceinline__ SharedStorage<T>& shared_storage() {
-  extern __shared__ uint8_t smem[];
-  const uint32_t misalignment = smem_address(smem) % 1024;
-  return *reinterpret_cast<SharedStorage<T>*>(smem + (misalignment ? 1024 - misalignment : 0));
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_address(smem) % 1024 != 0) __trap();
+  return *reinterpret_cast<SharedStorage<T>*>(smem);
 }
 
 // Where the accumulator fragments of a thread lie: rows `row` and `row + 8`, columns
@@ -79,13 +86,14 @@ struct QueryRow {
   }
 };
 
-// This CTA's query block into the swizzled Q tile, zeros past rows_per_kv; by one warpgroup.
+// Rows [0, rows) of this CTA's query block into the swizzled Q tile, zeros past rows_per_kv;
+// by `thread` of `threads` cooperating threads.
 template <typename T>
-__device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int tid) {
+__device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int rows, int thread, int threads) {
   constexpr int kPieces = kHeadDim / 8;
   const T* q = static_cast<const T*>(p.q);
 #pragma unroll 4
-  for (int i = tid; i < kBlockM * kPieces; i += 128) {
+  for (int i = thread; i < rows * kPieces; i += threads) {
     const int row = i / kPieces, piece = i % kPieces;
     const QueryRow qr(p, row, head);
     uint4 value = make_uint4(0, 0, 0, 0);

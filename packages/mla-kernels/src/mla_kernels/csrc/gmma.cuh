@@ -21,8 +21,10 @@ struct GmmaOp;
   struct GmmaOp<T, N, kMajorA, kMajorB> {                                             \
     using type = cute::SM90::GMMA::MMA_64x##N##x16_F32##NAME##_SS<kMajorA, kMajorB>; \
   };
+MLA_GMMA_OP(__nv_bfloat16, 16, BF16BF16)
 MLA_GMMA_OP(__nv_bfloat16, 64, BF16BF16)
 MLA_GMMA_OP(__nv_bfloat16, 256, BF16BF16)
+MLA_GMMA_OP(__half, 16, F16F16)
 MLA_GMMA_OP(__half, 64, F16F16)
 MLA_GMMA_OP(__half, 256, F16F16)
 #undef MLA_GMMA_OP

@@ -25,6 +25,15 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
 // Eight e4m3 values times `scale`, as eight T.
 template <typename T>
 __device__ __forceinline__ uint4 fp8x8_to(uint2 packed, float scale) {

@@ -10,9 +10,9 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cstdint>
 
-namespace mla {
+#include "params.h"
 
-constexpr int kChunkCols = 64;  // 16-bit columns per 128-byte row of a chunk
+namespace mla {
 
 // Element offset of 16-byte piece `piece` (8 columns) of column `col / 64` chunk, row `row`.
 __device__ __forceinline__ int swizzled_offset(int rows, int row, int col) {
