@@ -50,8 +50,9 @@ __device__ void consume_narrow(const DecodeParams& p, SharedStorage<T>& s, int h
   T* sp = s.p + wg * 32 * kChunkCols;  // P^T: kN query rows x 64 tokens
 
   const uint64_t q_desc = k_major_desc(s.q), p_desc = k_major_desc(sp);
-  const uint64_t k_desc0 = k_major_desc(s.k[0]), v_desc0 = mn_major_desc(s.k[0], kChunkBytes);
-  constexpr uint64_t kStageStep = sizeof(s.k[0]) / 16;
+  // This consumer's stage is fixed (its index), so its descriptors are built once: the
+  // products then read them from uniform registers without per-product moves.
+  const uint64_t k_desc = k_major_desc(s.k[wg]), v_desc = mn_major_desc(s.k[wg], kChunkBytes);
   constexpr int kStep = 16 * sizeof(T) / 16;  // 16 columns of a K-major operand
 
   float o[kVTiles][kN / 2];
@@ -79,7 +80,6 @@ __device__ void consume_narrow(const DecodeParams& p, SharedStorage<T>& s, int h
       if (stage == wg) {
         const int length = tile.length(), first_token = tile.token;
         ClusterBarrier::wait(&s.k_full[stage], (j / kStages) & 1);
-        const uint64_t k_desc = k_desc0 + stage * kStageStep, v_desc = v_desc0 + stage * kStageStep;
         if (length < kBlockN) zero_tail_rows<T>(s.k[stage], length, tid);
 
         float scores[kN / 2];  // scores[4 i + 2 half + e]: token row + 8 half, query column 2 i + e

@@ -25,7 +25,7 @@ template <typename T, bool kFp8, int kNarrow>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
   static_assert(kFp8 || kNarrow == 0, "the narrow consumers are built for an FP8 cache only");
   auto& s = shared_storage<T>();
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int wg = cutlass::canonical_warp_group_idx(), tid = threadIdx.x % 128;  // wg: warp-uniform
   const int head = blockIdx.y;
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
