@@ -1,0 +1,125 @@
+"""Normal-mode dispatch and combine throughput in DeepEP's setting, with its byte accounting.
+
+    python benchmarks/bench_dispatch.py [--world 8] [--device cuda] [--json results.json]
+
+4096 tokens per rank, hidden 7168, top-8 of 256 experts (uniform random routing, as DeepEP's
+test). Bytes per rank: received rows x hidden x 2 for BF16 dispatch and for combine; FP8
+dispatch counts BF16 bytes x (1 + 4/128) / 2. Each call is timed on every rank between two
+barriers; a rank's GB/s is its bytes over its median time. The anchor is DeepEP's intranode EP8
+on H800 NVLink. All ranks run on one machine: on one GPU they share its memory and, with the
+torch backend over gloo, data moves through host memory and loopback TCP - not NVLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ep_comm import Buffer
+from ep_comm.testing import per_token_cast_to_fp8, run_ranks
+
+DEEPEP_H800_EP8 = {"dispatch_bf16": 153.0, "dispatch_fp8": 153.0, "combine": 158.0}
+FP8_FACTOR = (1 + 4 / 128) / 2
+
+
+def _timed(fn, device: str, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def rank_main(rank, world, group, device, tokens, hidden, topk, experts, reps):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(device)
+    scores = torch.rand(tokens, experts, generator=g)
+    topk_idx = scores.topk(topk, dim=1).indices.to(device)
+    topk_weights = torch.rand(tokens, topk, generator=g).to(device)
+    buffer = Buffer(group)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )
+    fp8 = per_token_cast_to_fp8(x)
+    bf16_bytes = recv_x.shape[0] * hidden * 2
+    ops = {
+        "dispatch_bf16": (lambda: buffer.dispatch(x, handle=handle), bf16_bytes),
+        "dispatch_fp8": (lambda: buffer.dispatch(fp8, handle=handle), bf16_bytes * FP8_FACTOR),
+        "combine": (lambda: buffer.combine(recv_x, handle, recv_w), bf16_bytes),
+    }
+    result = {"rank": rank, "received_rows": recv_x.shape[0], "backend": buffer.backend}
+    for name, (fn, nbytes) in ops.items():
+        seconds = statistics.median(_timed(fn, device, reps))
+        result[name] = {"us": seconds * 1e6, "GBps": nbytes / seconds / 1e9}
+    return result
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", default=os.environ.get("EP_COMM_BENCH_JSON"))
+    args = parser.parse_args()
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(
+        f"ep-comm normal mode: {args.world} ranks on one machine ({where}, "
+        f"{'one GPU shared by all ranks' if args.device == 'cuda' else 'host tensors'}); "
+        f"{args.tokens} tokens x hidden {args.hidden}, top-{args.topk} of {args.experts} experts"
+    )
+    print(
+        "  backends: torch (gloo; CUDA tensors staged through host memory). The cuda backend "
+        "(CUDA IPC kernels) is not in this version, so there is no cuda column yet."
+    )
+    print("  these figures measure host copies and loopback TCP, not NVLink")
+    results = run_ranks(
+        args.world,
+        __file__,
+        "rank_main",
+        args.device,
+        args.tokens,
+        args.hidden,
+        args.topk,
+        args.experts,
+        args.reps,
+        limit=1800,
+    )
+    summary = {}
+    for name, anchor in DEEPEP_H800_EP8.items():
+        gbps = statistics.mean(r[name]["GBps"] for r in results)
+        us = statistics.mean(r[name]["us"] for r in results)
+        summary[name] = {"torch_GBps": gbps, "torch_us": us, "deepep_h800_ep8_GBps": anchor}
+        print(
+            f"  {name:14s} torch {us:10.0f} us {gbps:7.2f} GB/s per rank | DeepEP EP8 H800 "
+            f"{anchor:.0f} GB/s, ratio {gbps / anchor:.3f}"
+        )
+    if args.json:
+        document = {"world": args.world, "device": where, "args": vars(args), "ops": summary}
+        document["ranks"] = results
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The few collectives ep_comm uses, with errors that say which rank failed at which step.
+
+Every call waits at most `timeout`; a peer that never arrives (it crashed, or raised before
+calling) makes the others raise `EPCommError` instead of hanging. Before moving data, ranks
+exchange their arguments' signature and any local validation problem (`agree`), so that bad
+arguments on one rank raise a clear `ValueError` on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+MESSAGE_BYTES = 4096  # a rank's signature and problem, JSON-encoded
+
+
+class EPCommError(RuntimeError):
+    """A collective failed or timed out."""
+
+
+class Collectives:
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.timeout = timeout
+        # gloo moves CPU tensors only: CUDA tensors go through host memory there.
+        self.through_cpu = dist.get_backend(group) == dist.Backend.GLOO
+        self.device = torch.device("cpu")
+        if not self.through_cpu:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def _wait(self, step: str, work) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as error:
+            raise EPCommError(
+                f"ep_comm rank {self.rank}/{self.size}: {step} failed or timed out after "
+                f"{self.timeout.total_seconds():g} s waiting for the other ranks ({error})"
+            ) from error
+
+    def agree(self, step: str, signature: dict, problem: str | None) -> None:
+        """Raise on every rank if any rank has a `problem` or the signatures differ."""
+        payload = json.dumps([signature, problem]).encode()[:MESSAGE_BYTES]
+        local = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
+        local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = [torch.empty_like(local) for _ in range(self.size)]
+        self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+        entries = [json.loads(bytes(t.cpu().tolist()).rstrip(b"\0")) for t in gathered]
+        if problem is not None:
+            raise ValueError(problem)
+        for rank, (_, other_problem) in enumerate(entries):
+            if other_problem is not None:
+                raise ValueError(f"{step}: rank {rank} rejected its arguments: {other_problem}")
+        for key in signature:
+            values = [entry[0].get(key) for entry in entries]
+            if any(v != values[0] for v in values):
+                listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+                raise ValueError(f"{step}: ranks disagree on {key} ({listing})")
+
+    def all_gather(self, step: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`[size, *tensor.shape]`: every rank's tensor (same shape on every rank)."""
+        local = tensor.to(self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.size)]
+        self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+        return torch.stack(gathered).to(tensor.device)
+
+    def all_to_all(
+        self, step: str, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]
+    ) -> torch.Tensor:
+        """Rows grouped by destination rank in, rows grouped by source rank out (uint8 rows)."""
+        send = rows.to(self.device)
+        received = torch.empty(
+            (sum(recv_counts), *rows.shape[1:]), dtype=rows.dtype, device=self.device
+        )
+        work = dist.all_to_all_single(
+            received,
+            send,
+            output_split_sizes=list(recv_counts),
+            input_split_sizes=list(send_counts),
+            group=self.group,
+            async_op=True,
+        )
+        self._wait(step, work)
+        return received.to(rows.device)

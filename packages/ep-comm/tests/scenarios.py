@@ -1,0 +1,224 @@
+"""What each rank runs in the multi-process tests (loaded by path in spawned processes).
+
+Every rank builds the same global problem from one seed, so each can compute exactly what it
+should receive and what combine should return, without communication.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+import torch
+
+from ep_comm import Buffer, EPCommError
+from ep_comm.layout import aligned
+from ep_comm.testing import per_token_cast_to_fp8, random_routing
+
+HIDDEN = 256
+
+
+@dataclass
+class Problem:
+    x: list[torch.Tensor]  # per rank [num_tokens_r, HIDDEN] bf16
+    topk_idx: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+    num_experts: int
+
+
+def make_problem(world: int, seed: int, experts_per_rank: int = 3, num_topk: int = 4) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    num_experts = experts_per_rank * world
+    xs, idx, weights = [], [], []
+    for rank in range(world):
+        num_tokens = 0 if rank == world - 1 and world > 2 else 29 + 17 * rank  # one empty rank
+        xs.append(torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16))
+        i, w = random_routing(num_tokens, num_experts, min(num_topk, num_experts), g, skew=1.5)
+        idx.append(i)
+        weights.append(w)
+    return Problem(xs, idx, weights, num_experts)
+
+
+def expert(e: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Expert e's output for rows x (float64): distinct per expert, elementwise."""
+    e = e.to(torch.float64).unsqueeze(1)
+    return torch.tanh(x.to(torch.float64) * (1 + e / 8)) + e / 16
+
+
+def expected_receive(p: Problem, rank: int, world: int):
+    """Rows rank receives, in order (by source rank, then token), with global expert ids."""
+    per_rank = p.num_experts // world
+    rows, idx, weights, counts = [], [], [], []
+    for src in range(world):
+        here = (p.topk_idx[src] // per_rank == rank) & (p.topk_idx[src] >= 0)
+        chosen = here.any(dim=1)
+        rows.append(p.x[src][chosen])
+        local = torch.where(here, p.topk_idx[src] - rank * per_rank, -1)[chosen]
+        idx.append(local)
+        weights.append(torch.where(here, p.topk_weights[src], 0.0)[chosen])
+        counts.append(int(chosen.sum()))
+    return torch.cat(rows), torch.cat(idx), torch.cat(weights), counts
+
+
+def roundtrip(rank: int, world: int, group, device: str, seed: int) -> None:
+    p = make_problem(world, seed)
+    x = p.x[rank].to(device)
+    topk_idx, topk_weights = p.topk_idx[rank].to(device), p.topk_weights[rank].to(device)
+    buffer = Buffer(group, timeout=timedelta(seconds=60))
+    assert buffer.backend == "torch"
+
+    per_rank, rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    assert rdma is None
+    want_rows, want_idx, want_weights, want_counts = expected_receive(p, rank, world)
+    alignment = 4
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+    layout |= dict(num_tokens_per_expert=per_expert)
+    recv_x, recv_idx, recv_w, per_expert_list, handle, event = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment, **layout
+    )
+    event.current_stream_wait()
+    assert torch.equal(recv_x.cpu(), want_rows)
+    assert torch.equal(recv_idx.cpu(), want_idx)
+    assert torch.equal(recv_w.cpu(), want_weights)
+    prefix = handle[0].cpu()
+    assert prefix[:, rank].tolist() == torch.tensor(want_counts).cumsum(0).tolist()
+    per_local = [int((want_idx == e).sum()) for e in range(p.num_experts // world)]
+    assert per_expert_list == [aligned(c, alignment) for c in per_local]
+
+    # Each received row: the weighted sum of its local experts' outputs; combine adds the ranks.
+    y = torch.zeros(recv_x.shape[0], x.shape[1], dtype=torch.float64)
+    for k in range(recv_idx.shape[1]):
+        valid = want_idx[:, k] >= 0
+        e = want_idx[valid, k] + rank * (p.num_experts // world)
+        y[valid] += want_weights[valid, k, None].double() * expert(e, want_rows[valid])
+    combined, combined_w, _ = buffer.combine(y.to(torch.bfloat16).to(device), handle, recv_w)
+    reference = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for k in range(topk_idx.shape[1]):
+        valid = p.topk_idx[rank][:, k] >= 0
+        w = p.topk_weights[rank][valid, k, None].double()
+        reference[valid] += w * expert(p.topk_idx[rank][valid, k], p.x[rank][valid])
+    assert combined.dtype == torch.bfloat16 and combined.shape == x.shape
+    # each rank's partial sum was rounded to bf16 once, then summed in fp32
+    torch.testing.assert_close(combined.cpu().double(), reference, rtol=2e-2, atol=2e-2)
+    want_combined_w = torch.where(p.topk_idx[rank] >= 0, p.topk_weights[rank], 0.0)
+    assert torch.equal(combined_w.cpu(), want_combined_w)
+
+    # Cached layout: the same rows again; FP8 values and scales arrive bit for bit.
+    again, none_idx, none_w, none_list, none_handle, _ = buffer.dispatch(x, handle=handle)
+    assert torch.equal(again, recv_x) and none_idx is none_w is none_list is none_handle is None
+    values, scales = per_token_cast_to_fp8(x)
+    (recv_values, recv_scales), *_ = buffer.dispatch((values, scales), **layout)
+    want_values, want_scales = per_token_cast_to_fp8(want_rows)
+    assert torch.equal(recv_values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(recv_scales.cpu(), want_scales)
+    (cached_values, cached_scales), *_ = buffer.dispatch((values, scales), handle=handle)
+    assert torch.equal(cached_values.view(torch.uint8), recv_values.view(torch.uint8))
+    assert torch.equal(cached_scales, recv_scales)
+
+    # num_worst_tokens: fixed shapes, padding past the received rows, list empty.
+    worst = max(len(expected_receive(p, r, world)[0]) for r in range(world)) + 3
+    out = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst, **layout
+    )
+    padded_x, padded_idx, padded_w, padded_list, padded_handle, _ = out
+    n = want_rows.shape[0]
+    assert padded_x.shape[0] == worst and padded_list == []
+    assert int(padded_handle.actual_num_recv_tokens) == n
+    assert torch.equal(padded_x[:n].cpu(), want_rows) and not padded_x[n:].any()
+    assert (padded_idx[n:] == -1).all() and not padded_w[n:].any()
+    padded_y = torch.zeros(worst, x.shape[1], dtype=torch.float64)
+    padded_y[:n] = y
+    combined_padded, _, _ = buffer.combine(padded_y.to(torch.bfloat16).to(device), padded_handle)
+    assert torch.equal(combined_padded, combined)
+
+
+def rejected_everywhere(rank: int, world: int, group, case: str) -> None:
+    """One rank (or all) passes a bad argument; every rank must raise ValueError saying what."""
+    p = make_problem(world, seed=7)
+    buffer = Buffer(group, timeout=timedelta(seconds=30))
+    x, topk_idx, topk_weights = p.x[rank], p.topk_idx[rank], p.topk_weights[rank]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+    layout |= dict(num_tokens_per_expert=per_expert)
+    args = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, **layout)
+    bad_rank = rank == 1
+    if case == "expert id out of range":
+        bad = topk_idx.clone()
+        if bad_rank and bad.numel():
+            bad[0, 0] = p.num_experts + 5
+        args["topk_idx"], match = bad, f"expert id {p.num_experts + 5}"
+    elif case == "hidden differs":
+        if bad_rank:
+            args["x"] = torch.zeros(x.shape[0], HIDDEN + 8, dtype=torch.bfloat16)
+        match = "disagree on hidden"
+    elif case == "wrong dtype":
+        if bad_rank:
+            args["x"] = x.float()
+        match = "x must be torch.bfloat16"
+    elif case == "weights shape":
+        if bad_rank:
+            args["topk_weights"] = topk_weights[:, :1].contiguous()
+        match = "topk_weights must have shape"
+    elif case == "num_worst_tokens too small":
+        args["num_worst_tokens"], match = 1, "more than num_worst_tokens=1"
+    elif case == "combine rows":
+        _, _, _, _, handle, _ = buffer.dispatch(**args)
+        rows = handle.recv_src_idx.shape[0] + (1 if bad_rank else 0)
+        with pytest.raises(ValueError, match="x must have shape"):
+            buffer.combine(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), handle)
+        return
+    else:
+        raise AssertionError(case)
+    with pytest.raises(ValueError, match=match):
+        buffer.dispatch(**args)
+    # the group is still usable afterwards
+    buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, **layout)
+
+
+def absent_peer(rank: int, world: int, group) -> None:
+    """Rank 1 never calls dispatch: the others raise EPCommError within the timeout."""
+    p = make_problem(world, seed=3)
+    buffer = Buffer(group, timeout=timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(8)
+        return
+    x, topk_idx = p.x[rank], p.topk_idx[rank]
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    start = time.monotonic()
+    with pytest.raises(EPCommError, match=rf"rank {rank}/{world}: dispatch: check arguments"):
+        buffer.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
+    assert time.monotonic() - start < 6
+
+
+def async_paths(rank: int, world: int, group) -> None:
+    """async_finish, previous_event and allocate_on_comm_stream give what the plain call gives."""
+    p = make_problem(world, seed=11)
+    x = p.x[rank].cuda()
+    topk_idx, topk_weights = p.topk_idx[rank].cuda(), p.topk_weights[rank].cuda()
+    buffer = Buffer(group, timeout=timedelta(seconds=60))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+    layout |= dict(num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    plain = buffer.dispatch(x, **layout)
+    flags = dict(async_finish=True, allocate_on_comm_stream=True)
+    overlapped = buffer.dispatch(x, previous_event=buffer.capture(), **flags, **layout)
+    event = overlapped[-1]
+    assert event.event is not None
+    event.current_stream_wait()
+    for a, b in zip(plain[:3], overlapped[:3], strict=True):
+        assert torch.equal(a, b)
+    assert plain[3] == overlapped[3]
+    combined = buffer.combine(plain[0], plain[4], plain[2])
+    later = buffer.combine(
+        plain[0], plain[4], plain[2], previous_event=buffer.capture(), async_finish=True
+    )
+    with later[-1]:  # leaving the block makes the current stream wait
+        pass
+    assert torch.equal(combined[0], later[0]) and torch.equal(combined[1], later[1])

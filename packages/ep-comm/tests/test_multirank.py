@@ -1,0 +1,33 @@
+"""Dispatch and combine across real gloo process groups of 2, 3 and 4 spawned processes."""
+
+from pathlib import Path
+
+import pytest
+
+from ep_comm.testing import run_ranks
+
+SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dispatch_combine_roundtrip(world):
+    run_ranks(world, SCENARIOS, "roundtrip", "cpu", 1000 + world)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "expert id out of range",
+        "hidden differs",
+        "wrong dtype",
+        "weights shape",
+        "num_worst_tokens too small",
+        "combine rows",
+    ],
+)
+def test_bad_arguments_raise_on_every_rank(case):
+    run_ranks(3, SCENARIOS, "rejected_everywhere", case)
+
+
+def test_absent_peer_times_out_with_rank_and_step():
+    run_ranks(2, SCENARIOS, "absent_peer", limit=60)
