@@ -110,9 +110,9 @@ def roundtrip(rank: int, world: int, group, device: str, seed: int) -> None:
     assert torch.equal(again, recv_x) and none_idx is none_w is none_list is none_handle is None
     values, scales = per_token_cast_to_fp8(x)
     (recv_values, recv_scales), *_ = buffer.dispatch((values, scales), **layout)
-    want_values, want_scales = per_token_cast_to_fp8(want_rows)
-    assert torch.equal(recv_values.cpu().view(torch.uint8), want_values.view(torch.uint8))
-    assert torch.equal(recv_scales.cpu(), want_scales)
+    want_values, want_scales = per_token_cast_to_fp8(want_rows.to(device))  # cast where x was
+    assert torch.equal(recv_values.view(torch.uint8), want_values.view(torch.uint8))
+    assert torch.equal(recv_scales, want_scales)
     (cached_values, cached_scales), *_ = buffer.dispatch((values, scales), handle=handle)
     assert torch.equal(cached_values.view(torch.uint8), recv_values.view(torch.uint8))
     assert torch.equal(cached_scales, recv_scales)
