@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ep_comm import Buffer, EPCommError
+from ep_comm.ipc_transport import control_bytes
 from ep_comm.layout import aligned
 from ep_comm.testing import per_token_cast_to_fp8, random_routing
 
@@ -62,12 +63,23 @@ def expected_receive(p: Problem, rank: int, world: int):
     return torch.cat(rows), torch.cat(idx), torch.cat(weights), counts
 
 
-def roundtrip(rank: int, world: int, group, device: str, seed: int) -> None:
+def small_buffer(world: int) -> int:
+    """Room for ~20 rows per peer: transfers of these problems take several rounds."""
+    return control_bytes(world) + world * 20 * 640
+
+
+def make_buffer(group, world: int, backend: str, timeout: float = 60) -> Buffer:
+    nvl_bytes = small_buffer(world) if backend == "cuda" else 0
+    buffer = Buffer(group, nvl_bytes, backend=backend, timeout=timedelta(seconds=timeout))
+    assert buffer.backend == backend
+    return buffer
+
+
+def roundtrip(rank: int, world: int, group, device: str, seed: int, backend: str = "torch"):
     p = make_problem(world, seed)
     x = p.x[rank].to(device)
     topk_idx, topk_weights = p.topk_idx[rank].to(device), p.topk_weights[rank].to(device)
-    buffer = Buffer(group, timeout=timedelta(seconds=60))
-    assert buffer.backend == "torch"
+    buffer = make_buffer(group, world, backend)
 
     per_rank, rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
     assert rdma is None
@@ -197,12 +209,12 @@ def absent_peer(rank: int, world: int, group) -> None:
     assert time.monotonic() - start < 6
 
 
-def async_paths(rank: int, world: int, group) -> None:
+def async_paths(rank: int, world: int, group, backend: str) -> None:
     """async_finish, previous_event and allocate_on_comm_stream give what the plain call gives."""
     p = make_problem(world, seed=11)
     x = p.x[rank].cuda()
     topk_idx, topk_weights = p.topk_idx[rank].cuda(), p.topk_weights[rank].cuda()
-    buffer = Buffer(group, timeout=timedelta(seconds=60))
+    buffer = make_buffer(group, world, backend)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
     layout |= dict(num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
@@ -222,3 +234,16 @@ def async_paths(rank: int, world: int, group) -> None:
     with later[-1]:  # leaving the block makes the current stream wait
         pass
     assert torch.equal(combined[0], later[0]) and torch.equal(combined[1], later[1])
+
+
+def absent_peer_on_gpu(rank: int, world: int, group) -> None:
+    """The cuda backend's GPU barrier: a peer that never arrives is reported, not waited for.
+    (Through the transport itself: a whole dispatch would stop earlier, at the host check.)"""
+    buffer = make_buffer(group, world, "cuda", timeout=3)
+    if rank == 1:
+        time.sleep(8)
+        return
+    start = time.monotonic()
+    with pytest.raises(EPCommError, match=rf"rank {rank}/{world}: notify: rank 1 did not reach"):
+        buffer._impl.transport.all_gather("notify", torch.arange(5))
+    assert time.monotonic() - start < 6

@@ -7,6 +7,8 @@ bad argument on one rank raises `ValueError` on all of them. See docs/ep-comm.md
 from __future__ import annotations
 
 import os
+import socket
+import zlib
 from datetime import timedelta
 
 import torch
@@ -16,23 +18,26 @@ from ep_comm import checks
 from ep_comm.collectives import Collectives
 from ep_comm.config import Config, recommended_config
 from ep_comm.event import EventOverlap, capture
+from ep_comm.exchange import DispatchInput, TokenExchange
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import dispatch_layout
 from ep_comm.streams import CommStream
-from ep_comm.torch_backend import DispatchInput, TorchBackend
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "cuda", "torch")
 
 
-def _select_backend(requested: str | None) -> str:
-    name = requested or os.environ.get("EP_COMM_BACKEND", "auto")
-    if name == "cuda":
-        raise ValueError(
-            "backend 'cuda' (CUDA IPC kernels) is not in ep-comm 0.1 yet; use 'torch' or 'auto'"
-        )
-    if name not in BACKENDS:
-        raise ValueError(f"unknown ep_comm backend {name!r}; expected one of {BACKENDS}")
-    return "torch"
+def _why_not_cuda(num_nvl_bytes: int) -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if num_nvl_bytes <= 0:
+        return "num_nvl_bytes is 0 (the cuda backend's buffers; Config.get_nvl_buffer_size_hint)"
+    try:
+        from ep_comm.extension import load_extension
+
+        load_extension()
+    except Exception as error:  # a missing toolkit, a failed build: the torch backend still works
+        return f"the cuda backend's extension did not build ({error})"
+    return None
 
 
 class Buffer:
@@ -44,7 +49,9 @@ class Buffer:
         (`Config.get_nvl_buffer_size_hint`); unused by the `torch` backend.
     num_rdma_bytes, low_latency_mode: internode and low-latency modes are not in this version:
         0 and False only.
-    backend: "auto" (default, or $EP_COMM_BACKEND) or "torch"; `Buffer.backend` says which runs.
+    backend: "auto" (default, or $EP_COMM_BACKEND), "cuda" or "torch"; `Buffer.backend` says
+        which runs. "auto" takes "cuda" when every rank has CUDA, all ranks are on one host,
+        num_nvl_bytes > 0 and the extension builds; otherwise "torch".
     timeout: how long a rank waits for the others in any step before raising `EPCommError`.
     """
 
@@ -75,11 +82,43 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = 0
         self.low_latency_mode = False
-        self.backend = _select_backend(backend)
+        requested = backend or os.environ.get("EP_COMM_BACKEND", "auto")
+        if requested not in BACKENDS:
+            raise ValueError(f"unknown ep_comm backend {requested!r}; expected one of {BACKENDS}")
         self._comm = Collectives(group, timeout)
-        self._impl = TorchBackend(self._comm)
+        self.backend = self._choose_backend(requested, num_nvl_bytes)
+        transport = self._comm
+        if self.backend == "cuda":
+            from ep_comm.ipc_transport import IpcTransport
+
+            transport = IpcTransport(self._comm, num_nvl_bytes)
+        self._impl = TokenExchange(transport, self.rank, self.group_size)
         self._streams = CommStream()
-        self._comm.agree("Buffer()", {"backend": self.backend}, None)
+
+    def _choose_backend(self, requested: str, num_nvl_bytes: int) -> str:
+        """The same answer on every rank: cuda only if it can run on all of them."""
+        reason = None if requested == "torch" else _why_not_cuda(num_nvl_bytes)
+        host = zlib.crc32(socket.gethostname().encode())
+        local = torch.tensor([reason is None, host], dtype=torch.int64)
+        everyone = self._comm.all_gather("Buffer(): choose the backend", local)
+        one_host = bool((everyone[:, 1] == everyone[0, 1]).all())
+        cuda_everywhere = bool(everyone[:, 0].all()) and one_host
+        if requested == "cuda" and not cuda_everywhere:
+            why = reason or ("the ranks span several hosts" if not one_host else None)
+            why = why or "another rank cannot run it"
+            raise ValueError(f"backend 'cuda' was requested but {why}")
+        return "cuda" if requested != "torch" and cuda_everywhere else "torch"
+
+    def destroy(self) -> None:
+        """Free the cuda backend's buffers now (else they live until the process exits)."""
+        if hasattr(self._impl.transport, "destroy"):
+            self._impl.transport.destroy()
+
+    def _device_problem(self, x) -> str | None:
+        on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
+        if self.backend == "cuda" and not on_cuda:
+            return "the cuda backend moves CUDA tensors; x is not on a CUDA device"
+        return None
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -158,7 +197,8 @@ class Buffer:
         num_worst_tokens > 0: outputs have that many rows (-1 / 0 padded past the received
         count, which the handle's `actual_num_recv_tokens` holds).
         """
-        del num_tokens_per_rdma_rank, config  # internode only; kernel tuning (cuda backend)
+        del num_tokens_per_rdma_rank  # internode only
+        self._impl.num_sms = config.num_sms if config is not None else Buffer.num_sms
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         cached = handle is not None
         problem = checks.problem_of(
@@ -174,7 +214,7 @@ class Buffer:
             expert_alignment,
             num_worst_tokens,
             self.group_size,
-        )
+        ) or self._device_problem(x)
         signature = {
             "hidden": int(x.shape[-1]) if x.dim() == 2 else None,
             "x dtype": str(x.dtype),
@@ -211,7 +251,7 @@ class Buffer:
 
         def work():
             local = torch.cat([num_tokens_per_rank, num_tokens_per_expert]).to(torch.int64)
-            gathered = self._comm.all_gather("dispatch: exchange counts", local).cpu()
+            gathered = self._impl.transport.all_gather("dispatch: exchange counts", local).cpu()
             counts, expert_counts = gathered[:, : self.group_size], gathered[:, self.group_size :]
             received = counts.sum(dim=0).tolist()
             if num_worst_tokens and max(received) > num_worst_tokens:
@@ -252,9 +292,10 @@ class Buffer:
         bias: zero, one or two `[num_tokens, hidden]` bf16 tensors added to the result.
         Returns combined_x `[num_tokens, hidden]` bf16, combined_topk_weights (or None), event.
         """
-        del config
+        self._impl.num_sms = config.num_sms if config is not None else Buffer.num_sms
         biases = [] if bias is None else list(bias) if isinstance(bias, tuple) else [bias]
         problem = checks.problem_of(checks.check_combine, x, handle, topk_weights, biases)
+        problem = problem or self._device_problem(x)
         signature = {
             "hidden": int(x.shape[-1]) if x.dim() == 2 else None,
             "x dtype": str(x.dtype),

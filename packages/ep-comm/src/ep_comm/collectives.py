@@ -9,7 +9,6 @@ arguments on one rank raise a clear `ValueError` on every rank.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -70,9 +69,14 @@ class Collectives:
         return torch.stack(gathered).to(tensor.device)
 
     def all_to_all(
-        self, step: str, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]
+        self, step: str, rows: torch.Tensor, counts: torch.Tensor, num_sms: int = 0
     ) -> torch.Tensor:
-        """Rows grouped by destination rank in, rows grouped by source rank out (uint8 rows)."""
+        """Rows grouped by destination rank in, rows grouped by source rank out (uint8 rows).
+
+        counts: `[src, dst]` rows every rank sends every rank (host). num_sms: unused here.
+        """
+        del num_sms
+        send_counts, recv_counts = counts[self.rank].tolist(), counts[:, self.rank].tolist()
         send = rows.to(self.device)
         received = torch.empty(
             (sum(recv_counts), *rows.shape[1:]), dtype=rows.dtype, device=self.device

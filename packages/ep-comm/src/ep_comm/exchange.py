@@ -1,10 +1,11 @@
-"""The `torch` backend: dispatch and combine as `all_to_all_single` over any process group.
+"""Dispatch and combine as an exchange of byte rows, over either transport.
 
 Each token bound for a rank becomes one row of bytes (its values, FP8 scales, top-k ids and
-weights, its index on the source rank), so one collective moves everything; split sizes come
-from the exchanged counts, which costs a host synchronization per call. Over gloo, CUDA tensors
-go through host memory (`collectives.py`). This is also the reference the tests compare the
-`cuda` backend against.
+weights, its index on the source rank; padded to 16 bytes), so one all-to-all moves
+everything. The transport moves rows: `Collectives` (`torch` backend: `all_to_all_single`
+over the process group) or `IpcTransport` (`cuda` backend: our kernels writing into peers'
+CUDA IPC buffers). Split sizes come from the exchanged counts, which costs a host
+synchronization per call.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ep_comm.collectives import Collectives
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import aligned, rank_prefix_matrix, to_local_experts
 
@@ -50,7 +50,13 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([_as_bytes(p) for p in pieces], dim=1)
+    """Rows of bytes, padded to a multiple of 16 (the cuda transport copies 16-byte units)."""
+    rows = [_as_bytes(p) for p in pieces]
+    width = sum(r.shape[1] for r in rows)
+    pad = -width % 16
+    if pad:
+        rows.append(torch.zeros(rows[0].shape[0], pad, dtype=torch.uint8, device=rows[0].device))
+    return torch.cat(rows, dim=1)
 
 
 def _unpack(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -70,15 +76,16 @@ def _pad_rows(tensor: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return padded
 
 
-class TorchBackend:
-    name = "torch"
-
-    def __init__(self, collectives: Collectives) -> None:
-        self.comm = collectives
+class TokenExchange:
+    def __init__(self, transport, rank: int, size: int) -> None:
+        """transport: `all_gather(step, tensor)` and `all_to_all(step, rows, counts, num_sms)`."""
+        self.transport = transport
+        self.rank, self.size = rank, size
+        self.num_sms = 20
 
     def dispatch(self, inp: DispatchInput, counts: torch.Tensor, expert_counts: torch.Tensor):
         """counts `[src, dst]` tokens (host); expert_counts `[src, num_experts]` (host)."""
-        rank, size = self.comm.rank, self.comm.size
+        rank, size = self.rank, self.size
         destination, token = inp.is_token_in_rank.t().nonzero(as_tuple=True)
         del destination  # rows are ordered by destination, then token index
         pieces = [inp.x[token]]
@@ -87,12 +94,8 @@ class TorchBackend:
         if inp.topk_idx is not None:
             pieces += [inp.topk_idx[token], inp.topk_weights[token]]
         pieces.append(token.to(torch.int32).unsqueeze(1))
-        received = self.comm.all_to_all(
-            "dispatch: exchange tokens",
-            _pack(pieces),
-            counts[rank].tolist(),
-            counts[:, rank].tolist(),
-        )
+        step = "dispatch: exchange tokens"
+        received = self.transport.all_to_all(step, _pack(pieces), counts, self.num_sms)
         unpacked = _unpack(received, pieces)
         recv_x = unpacked.pop(0)
         recv_x_scales = unpacked.pop(0) if inp.x_scales is not None else None
@@ -135,16 +138,10 @@ class TorchBackend:
     def dispatch_cached(
         self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle
     ):
-        rank = self.comm.rank
-        counts = handle.counts()
         token = handle.send_token_idx
         pieces = [x[token]] + ([x_scales[token]] if x_scales is not None else [])
-        received = self.comm.all_to_all(
-            "dispatch (cached layout): exchange tokens",
-            _pack(pieces),
-            counts[rank].tolist(),
-            counts[:, rank].tolist(),
-        )
+        step = "dispatch (cached layout): exchange tokens"
+        received = self.transport.all_to_all(step, _pack(pieces), handle.counts(), self.num_sms)
         unpacked = _unpack(received, pieces)
         if handle.actual_num_recv_tokens is not None:
             worst = handle.recv_src_idx.shape[0]
@@ -158,12 +155,12 @@ class TorchBackend:
         topk_weights: torch.Tensor | None,
         bias: list[torch.Tensor],
     ):
-        rank = self.comm.rank
-        counts = handle.counts()
         num_recv = handle.num_recv_tokens
         pieces = [x[:num_recv]] + ([topk_weights[:num_recv]] if topk_weights is not None else [])
-        returned = self.comm.all_to_all(
-            "combine: return tokens", _pack(pieces), counts[:, rank].tolist(), counts[rank].tolist()
+        # the way back: what each rank received from us is what it now sends us
+        back = handle.counts().t().contiguous()
+        returned = self.transport.all_to_all(
+            "combine: return tokens", _pack(pieces), back, self.num_sms
         )
         unpacked = _unpack(returned, pieces)
         num_tokens = handle.is_token_in_rank.shape[0]
