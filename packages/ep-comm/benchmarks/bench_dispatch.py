@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ep_comm import Buffer
+from ep_comm import Buffer, Config
 from ep_comm.testing import per_token_cast_to_fp8, run_ranks
 
 DEEPEP_H800_EP8 = {"dispatch_bf16": 153.0, "dispatch_fp8": 153.0, "combine": 158.0}
@@ -46,7 +46,18 @@ def rank_main(rank, world, group, device, tokens, hidden, topk, experts, reps):
     scores = torch.rand(tokens, experts, generator=g)
     topk_idx = scores.topk(topk, dim=1).indices.to(device)
     topk_weights = torch.rand(tokens, topk, generator=g).to(device)
-    buffer = Buffer(group)
+    backends = ["cuda", "torch"] if device == "cuda" else ["torch"]
+    nvl_bytes = Config().get_nvl_buffer_size_hint(hidden * 2, world)
+    result = {"rank": rank}
+    for backend in backends:
+        buffer = Buffer(group, nvl_bytes if backend == "cuda" else 0, backend=backend)
+        result[backend] = measure(buffer, x, topk_idx, topk_weights, experts, device, reps)
+        buffer.destroy()
+    return result
+
+
+def measure(buffer, x, topk_idx, topk_weights, experts, device, reps):
+    hidden = x.shape[1]
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
     recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
         x,
@@ -63,7 +74,7 @@ def rank_main(rank, world, group, device, tokens, hidden, topk, experts, reps):
         "dispatch_fp8": (lambda: buffer.dispatch(fp8, handle=handle), bf16_bytes * FP8_FACTOR),
         "combine": (lambda: buffer.combine(recv_x, handle, recv_w), bf16_bytes),
     }
-    result = {"rank": rank, "received_rows": recv_x.shape[0], "backend": buffer.backend}
+    result = {"received_rows": recv_x.shape[0]}
     for name, (fn, nbytes) in ops.items():
         seconds = statistics.median(_timed(fn, device, reps))
         result[name] = {"us": seconds * 1e6, "GBps": nbytes / seconds / 1e9}
@@ -88,11 +99,14 @@ def main() -> None:
         f"{'one GPU shared by all ranks' if args.device == 'cuda' else 'host tensors'}); "
         f"{args.tokens} tokens x hidden {args.hidden}, top-{args.topk} of {args.experts} experts"
     )
-    print(
-        "  backends: torch (gloo; CUDA tensors staged through host memory). The cuda backend "
-        "(CUDA IPC kernels) is not in this version, so there is no cuda column yet."
-    )
-    print("  these figures measure host copies and loopback TCP, not NVLink")
+    if args.device == "cuda":
+        print(
+            "  backends: cuda (our kernels over CUDA IPC; on one GPU all ranks share its HBM) and "
+            "torch (gloo: CUDA tensors staged through host memory and loopback TCP)"
+        )
+        print("  on one shared GPU these figures measure HBM copies and host hops, not NVLink")
+    else:
+        print("  backend: torch (gloo, host tensors): host copies and loopback TCP")
     results = run_ranks(
         args.world,
         __file__,
@@ -105,15 +119,22 @@ def main() -> None:
         args.reps,
         limit=1800,
     )
+    backends = [b for b in ("cuda", "torch") if b in results[0]]
     summary = {}
     for name, anchor in DEEPEP_H800_EP8.items():
-        gbps = statistics.mean(r[name]["GBps"] for r in results)
-        us = statistics.mean(r[name]["us"] for r in results)
-        summary[name] = {"torch_GBps": gbps, "torch_us": us, "deepep_h800_ep8_GBps": anchor}
-        print(
-            f"  {name:14s} torch {us:10.0f} us {gbps:7.2f} GB/s per rank | DeepEP EP8 H800 "
-            f"{anchor:.0f} GB/s, ratio {gbps / anchor:.3f}"
-        )
+        summary[name] = {"deepep_h800_ep8_GBps": anchor}
+        line = f"  {name:14s}"
+        for backend in backends:
+            gbps = statistics.mean(r[backend][name]["GBps"] for r in results)
+            us = statistics.mean(r[backend][name]["us"] for r in results)
+            summary[name] |= {f"{backend}_GBps": gbps, f"{backend}_us": us}
+            line += f" | {backend} {us:9.0f} us {gbps:7.2f} GB/s per rank"
+        if len(backends) == 2:
+            ratio = summary[name]["cuda_GBps"] / summary[name]["torch_GBps"]
+            line += f" | cuda/torch {ratio:.1f}x"
+        best = summary[name][f"{backends[0]}_GBps"]
+        line += f" | DeepEP EP8 H800 {anchor:.0f} GB/s, ratio {best / anchor:.3f}"
+        print(line)
     if args.json:
         document = {"world": args.world, "device": where, "args": vars(args), "ops": summary}
         document["ranks"] = results
