@@ -164,15 +164,20 @@ class TokenExchange:
         )
         unpacked = _unpack(returned, pieces)
         num_tokens = handle.is_token_in_rank.shape[0]
-        token = handle.send_token_idx
         out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        out.index_add_(0, token, unpacked[0].float())
-        for b in bias:
-            out += b.float()
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.zeros(
                 num_tokens, topk_weights.shape[1], dtype=torch.float32, device=x.device
             )
-            combined_weights.index_add_(0, token, unpacked[1])
+        # One source rank at a time, in rank order: within one, a token appears once, so the
+        # sums are free of atomics and the same on every run.
+        bounds = handle.counts()[self.rank].cumsum(0).tolist()
+        for begin, end in zip([0, *bounds[:-1]], bounds, strict=True):
+            token = handle.send_token_idx[begin:end]
+            out.index_add_(0, token, unpacked[0][begin:end].float())
+            if combined_weights is not None:
+                combined_weights.index_add_(0, token, unpacked[1][begin:end])
+        for b in bias:
+            out += b.float()
         return out.to(x.dtype), combined_weights
