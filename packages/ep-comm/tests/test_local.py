@@ -165,3 +165,11 @@ def test_one_rank_roundtrip_and_argument_errors(solo_group, generator):
         buffer.combine(recv_x, tuple(handle))
     with pytest.raises(ValueError, match="at most two"):
         buffer.combine(recv_x, handle, bias=(bias, bias, bias))
+
+
+def test_non_tensor_arguments_get_value_errors(solo_group):
+    buffer = Buffer(solo_group)
+    with pytest.raises(ValueError, match="topk_idx must be a tensor"):
+        buffer.get_dispatch_layout([[0, 1]], 4)
+    with pytest.raises(ValueError, match="x must be a"):
+        buffer.dispatch(None)

@@ -154,7 +154,7 @@ class Buffer:
         num_tokens_per_expert `[num_experts]` int32, is_token_in_rank `[num_tokens, num_ranks]`
         bool, and an EventOverlap.
         """
-        checks.check_topk(topk_idx, None, num_experts, self.group_size, topk_idx.shape[0])
+        checks.check_topk(topk_idx, None, num_experts, self.group_size, None)
         checks.check_expert_ids(topk_idx, num_experts)
 
         def work():
@@ -216,12 +216,12 @@ class Buffer:
             self.group_size,
         ) or self._device_problem(x)
         signature = {
-            "hidden": int(x.shape[-1]) if x.dim() == 2 else None,
-            "x dtype": str(x.dtype),
+            "hidden": _last_dim(x),
+            "x dtype": str(getattr(x, "dtype", type(x).__name__)),
             "FP8 scales": x_scales is not None,
             "cached handle": cached,
-            "num_experts": handle.num_experts if cached else _numel(num_tokens_per_expert),
-            "num_topk": None if topk_idx is None or topk_idx.dim() != 2 else topk_idx.shape[1],
+            "num_experts": getattr(handle, "num_experts", None) or _last_dim(num_tokens_per_expert),
+            "num_topk": _last_dim(topk_idx),
             "num_worst_tokens": num_worst_tokens,
         }
         self._comm.agree("dispatch: check arguments", signature, problem)
@@ -297,8 +297,8 @@ class Buffer:
         problem = checks.problem_of(checks.check_combine, x, handle, topk_weights, biases)
         problem = problem or self._device_problem(x)
         signature = {
-            "hidden": int(x.shape[-1]) if x.dim() == 2 else None,
-            "x dtype": str(x.dtype),
+            "hidden": _last_dim(x),
+            "x dtype": str(getattr(x, "dtype", type(x).__name__)),
             "topk_weights given": topk_weights is not None,
         }
         self._comm.agree("combine: check arguments", signature, problem)
@@ -311,5 +311,6 @@ class Buffer:
         )
 
 
-def _numel(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else int(tensor.numel())
+def _last_dim(tensor) -> int | None:
+    """The size compared across ranks; None for what is not a tensor (its rank reports that)."""
+    return int(tensor.shape[-1]) if isinstance(tensor, torch.Tensor) and tensor.dim() else None

@@ -52,7 +52,9 @@ def check_x(x, x_scales) -> None:
         _tensor("x scales", x_scales, torch.float32, shape, x.device)
 
 
-def check_topk(topk_idx, topk_weights, num_experts: int, num_ranks: int, num_tokens: int) -> None:
+def check_topk(
+    topk_idx, topk_weights, num_experts: int, num_ranks: int, num_tokens: int | None
+) -> None:
     experts_per_rank(num_experts, num_ranks)
     device = topk_idx.device if isinstance(topk_idx, torch.Tensor) else None
     _tensor("topk_idx", topk_idx, torch.int64, (num_tokens, None), device)

@@ -44,7 +44,11 @@ class Collectives:
 
     def agree(self, step: str, signature: dict, problem: str | None) -> None:
         """Raise on every rank if any rank has a `problem` or the signatures differ."""
-        payload = json.dumps([signature, problem]).encode()[:MESSAGE_BYTES]
+        if problem is not None:
+            problem = problem[:1000]  # the whole entry must fit MESSAGE_BYTES
+        payload = json.dumps([signature, problem]).encode()
+        if len(payload) > MESSAGE_BYTES:
+            raise ValueError(f"{step}: argument signature too long ({len(payload)} bytes)")
         local = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = [torch.empty_like(local) for _ in range(self.size)]

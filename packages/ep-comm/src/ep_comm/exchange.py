@@ -85,9 +85,8 @@ class TokenExchange:
 
     def dispatch(self, inp: DispatchInput, counts: torch.Tensor, expert_counts: torch.Tensor):
         """counts `[src, dst]` tokens (host); expert_counts `[src, num_experts]` (host)."""
-        rank, size = self.rank, self.size
-        destination, token = inp.is_token_in_rank.t().nonzero(as_tuple=True)
-        del destination  # rows are ordered by destination, then token index
+        rank, per_rank = self.rank, inp.num_experts // self.size
+        _, token = inp.is_token_in_rank.t().nonzero(as_tuple=True)  # by destination, then token
         pieces = [inp.x[token]]
         if inp.x_scales is not None:
             pieces.append(inp.x_scales[token])
@@ -101,14 +100,12 @@ class TokenExchange:
         recv_x_scales = unpacked.pop(0) if inp.x_scales is not None else None
         recv_topk_idx = recv_topk_weights = None
         if inp.topk_idx is not None:
-            per_rank = inp.num_experts // size
             recv_topk_idx, recv_topk_weights = to_local_experts(
                 unpacked.pop(0), unpacked.pop(0), rank, per_rank
             )
         recv_src_idx = unpacked.pop(0).squeeze(1)
 
         num_recv = recv_x.shape[0]
-        per_rank = inp.num_experts // size
         local_counts = expert_counts[:, rank * per_rank : (rank + 1) * per_rank].sum(dim=0)
         per_expert = [aligned(int(c), inp.expert_alignment) for c in local_counts.tolist()]
         actual = None
