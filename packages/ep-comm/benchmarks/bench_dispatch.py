@@ -40,6 +40,21 @@ def _timed(fn, device: str, reps: int) -> list[float]:
     return times[1:]
 
 
+def copy_ceiling_gbps(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy on this GPU by one process: read + write bytes per second."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times[3:]) / 1e9
+
+
 def rank_main(rank, world, group, device, tokens, hidden, topk, experts, reps):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(device)
@@ -105,6 +120,8 @@ def main() -> None:
             "torch (gloo: CUDA tensors staged through host memory and loopback TCP)"
         )
         print("  on one shared GPU these figures measure HBM copies and host hops, not NVLink")
+        ceiling = copy_ceiling_gbps()
+        print(f"  copy ceiling (one process, read + write): {ceiling:.0f} GB/s")
     else:
         print("  backend: torch (gloo, host tensors): host copies and loopback TCP")
     results = run_ranks(
@@ -135,8 +152,13 @@ def main() -> None:
         best = summary[name][f"{backends[0]}_GBps"]
         line += f" | DeepEP EP8 H800 {anchor:.0f} GB/s, ratio {best / anchor:.3f}"
         print(line)
+    if args.device == "cuda":
+        total = args.world * summary["dispatch_bf16"][f"{backends[0]}_GBps"]
+        print(f"  all ranks together, BF16 dispatch: {total:.0f} GB/s received")
     if args.json:
         document = {"world": args.world, "device": where, "args": vars(args), "ops": summary}
+        if args.device == "cuda":
+            document["copy_ceiling_GBps"] = ceiling
         document["ranks"] = results
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)

@@ -13,12 +13,15 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ep_comm import Buffer, EPCommError
-from ep_comm.ipc_transport import control_bytes
+from ep_comm import Buffer, Config, EPCommError
 from ep_comm.layout import aligned
 from ep_comm.testing import per_token_cast_to_fp8, random_routing
 
 HIDDEN = 256
+# 2 channels, rings of 8 tokens filled 3 at a time: the cuda backend's rings wrap many times
+SMALL_RINGS = Config(
+    num_sms=4, num_max_nvl_chunked_send_tokens=3, num_max_nvl_chunked_recv_tokens=8
+)
 
 
 @dataclass
@@ -63,13 +66,30 @@ def expected_receive(p: Problem, rank: int, world: int):
     return torch.cat(rows), torch.cat(idx), torch.cat(weights), counts
 
 
-def small_buffer(world: int) -> int:
-    """Room for ~20 rows per peer: transfers of these problems take several rounds."""
-    return control_bytes(world) + world * 20 * 640
+def expected_combine(p: Problem, rank: int, world: int, biases=()) -> torch.Tensor:
+    """What combine returns for rank's tokens, bit for bit: every rank it went to returns
+    bf16(its local experts' weighted outputs, summed in float64 in top-k order), and these are
+    added in float32, in rank order, to the sum of the biases."""
+    per_rank = p.num_experts // world
+    idx, weights = p.topk_idx[rank], p.topk_weights[rank]
+    out = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float32)
+    for bias in biases:
+        out += bias.float()
+    for dst in range(world):
+        here = (idx >= 0) & (idx // per_rank == dst)
+        partial = torch.zeros(idx.shape[0], HIDDEN, dtype=torch.float64)
+        for k in range(idx.shape[1]):
+            valid = here[:, k]
+            partial[valid] += weights[valid, k, None].double() * expert(
+                idx[valid, k], p.x[rank][valid]
+            )
+        went = here.any(dim=1)
+        out[went] += partial[went].to(torch.bfloat16).float()
+    return out.to(torch.bfloat16)
 
 
 def make_buffer(group, world: int, backend: str, timeout: float = 60) -> Buffer:
-    nvl_bytes = small_buffer(world) if backend == "cuda" else 0
+    nvl_bytes = Config().get_nvl_buffer_size_hint(HIDDEN * 2, world) if backend == "cuda" else 0
     buffer = Buffer(group, nvl_bytes, backend=backend, timeout=timedelta(seconds=timeout))
     assert buffer.backend == backend
     return buffer
@@ -86,7 +106,7 @@ def roundtrip(rank: int, world: int, group, device: str, seed: int, backend: str
     want_rows, want_idx, want_weights, want_counts = expected_receive(p, rank, world)
     alignment = 4
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
-    layout |= dict(num_tokens_per_expert=per_expert)
+    layout |= dict(num_tokens_per_expert=per_expert, config=SMALL_RINGS)
     recv_x, recv_idx, recv_w, per_expert_list, handle, event = buffer.dispatch(
         x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment, **layout
     )
@@ -105,20 +125,28 @@ def roundtrip(rank: int, world: int, group, device: str, seed: int, backend: str
         valid = want_idx[:, k] >= 0
         e = want_idx[valid, k] + rank * (p.num_experts // world)
         y[valid] += want_weights[valid, k, None].double() * expert(e, want_rows[valid])
-    combined, combined_w, _ = buffer.combine(y.to(torch.bfloat16).to(device), handle, recv_w)
+    y = y.to(torch.bfloat16).to(device)
+    combined, combined_w, _ = buffer.combine(y, handle, recv_w, config=SMALL_RINGS)
+    assert combined.dtype == torch.bfloat16 and combined.shape == x.shape
+    assert torch.equal(combined.cpu(), expected_combine(p, rank, world))
     reference = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for k in range(topk_idx.shape[1]):
         valid = p.topk_idx[rank][:, k] >= 0
         w = p.topk_weights[rank][valid, k, None].double()
         reference[valid] += w * expert(p.topk_idx[rank][valid, k], p.x[rank][valid])
-    assert combined.dtype == torch.bfloat16 and combined.shape == x.shape
-    # each rank's partial sum was rounded to bf16 once, then summed in fp32
     torch.testing.assert_close(combined.cpu().double(), reference, rtol=2e-2, atol=2e-2)
+    g = torch.Generator().manual_seed(rank)
+    biases = [torch.randn(x.shape, generator=g).to(torch.bfloat16) for _ in range(2)]
+    on_device = tuple(b.to(device) for b in biases)
+    with_bias, _, _ = buffer.combine(y, handle, bias=on_device, config=SMALL_RINGS)
+    assert torch.equal(with_bias.cpu(), expected_combine(p, rank, world, biases))
     want_combined_w = torch.where(p.topk_idx[rank] >= 0, p.topk_weights[rank], 0.0)
     assert torch.equal(combined_w.cpu(), want_combined_w)
 
     # Cached layout: the same rows again; FP8 values and scales arrive bit for bit.
-    again, none_idx, none_w, none_list, none_handle, _ = buffer.dispatch(x, handle=handle)
+    again, none_idx, none_w, none_list, none_handle, _ = buffer.dispatch(
+        x, handle=handle, config=SMALL_RINGS
+    )
     assert torch.equal(again, recv_x) and none_idx is none_w is none_list is none_handle is None
     values, scales = per_token_cast_to_fp8(x)
     (recv_values, recv_scales), *_ = buffer.dispatch((values, scales), **layout)
@@ -144,6 +172,7 @@ def roundtrip(rank: int, world: int, group, device: str, seed: int, backend: str
     padded_y[:n] = y
     combined_padded, _, _ = buffer.combine(padded_y.to(torch.bfloat16).to(device), padded_handle)
     assert torch.equal(combined_padded, combined)
+    assert int(buffer.dispatch(x, handle=padded_handle)[0][n:].abs().sum()) == 0
 
 
 def rejected_everywhere(rank: int, world: int, group, case: str) -> None:
@@ -237,13 +266,112 @@ def async_paths(rank: int, world: int, group, backend: str) -> None:
 
 
 def absent_peer_on_gpu(rank: int, world: int, group) -> None:
-    """The cuda backend's GPU barrier: a peer that never arrives is reported, not waited for.
-    (Through the transport itself: a whole dispatch would stop earlier, at the host check.)"""
-    buffer = make_buffer(group, world, "cuda", timeout=3)
+    """Rank 1 never launches notify: rank 0's kernel gives up at the barrier after the timeout
+    instead of spinning, and the next call raises EPCommError naming the step and the rank."""
+    p = make_problem(world, seed=5)
+    buffer = make_buffer(group, world, "cuda", timeout=2)
+    topk_idx = p.topk_idx[rank].cuda()
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
     if rank == 1:
         time.sleep(8)
         return
+    counts = [
+        torch.empty(*shape, dtype=torch.int32, device="cuda") for shape in ((2, 2), (2, 10), (3,))
+    ]
     start = time.monotonic()
-    with pytest.raises(EPCommError, match=rf"rank {rank}/{world}: notify: rank 1 did not reach"):
-        buffer._impl.transport.all_gather("notify", torch.arange(5))
-    assert time.monotonic() - start < 6
+    buffer._impl.state.notify(in_rank, per_expert, *counts)  # as dispatch would, alone
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < 5
+    match = r"rank 0/2: the barrier starting a call timed out after 2 s waiting for rank 1"
+    with pytest.raises(EPCommError, match=match):
+        buffer.dispatch(
+            p.x[rank].cuda(),
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
+
+
+def buffer_too_small(rank: int, world: int, group) -> None:
+    """A config whose rings do not fit num_nvl_bytes: ValueError on every rank, naming sizes."""
+    p = make_problem(world, seed=4)
+    small = Config(num_sms=4, num_max_nvl_chunked_recv_tokens=32).get_nvl_buffer_size_hint(
+        HIDDEN * 2, world
+    )
+    buffer = Buffer(group, small, backend="cuda", timeout=timedelta(seconds=30))
+    x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+    layout |= dict(num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match=rf"rings need \d+ bytes .* num_nvl_bytes={small}"):
+        buffer.dispatch(x, **layout)  # the default config: 10 channels of 256 tokens
+    fits = Config(num_sms=4, num_max_nvl_chunked_recv_tokens=32)
+    recv_x, *_ = buffer.dispatch(x, config=fits, **layout)
+    assert torch.equal(recv_x.cpu(), expected_receive(p, rank, world)[0])
+
+
+def overflow_on_gpu(rank: int, world: int, group) -> None:
+    """num_worst_tokens too small on the cuda backend: the rows past it are dropped without a
+    host synchronization, and the next call raises on every rank, naming the rank."""
+    p = make_problem(world, seed=9)
+    buffer = make_buffer(group, world, "cuda")
+    x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank)
+    layout |= dict(num_tokens_per_expert=per_expert)
+    recv_x, *_ = buffer.dispatch(x, num_worst_tokens=2, **layout)
+    assert recv_x.shape[0] == 2
+    received = len(expected_receive(p, 0, world)[0])
+    match = rf"rank 0/{world}: an earlier dispatch received {received} rows, more than its"
+    with pytest.raises(EPCommError, match=match):
+        buffer.dispatch(x, **layout)
+    # reported once; the buffer still works
+    recv_x, *_ = buffer.dispatch(x, **layout)
+    assert torch.equal(recv_x.cpu(), expected_receive(p, rank, world)[0])
+
+
+def cuda_graph(rank: int, world: int, group) -> None:
+    """get_dispatch_layout, dispatch with num_worst_tokens and combine captured in one CUDA
+    graph on every rank; replays with new inputs give the eager results."""
+    p = make_problem(world, seed=13)
+    buffer = make_buffer(group, world, "cuda")
+    worst = max(len(expected_receive(p, r, world)[0]) for r in range(world)) + 5
+    static_x = p.x[rank].cuda()
+    static_idx, static_w = p.topk_idx[rank].cuda(), p.topk_weights[rank].cuda()
+
+    def step():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(static_idx, p.num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            static_x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=static_idx,
+            topk_weights=static_w,
+            num_worst_tokens=worst,
+        )
+        combined, combined_w, _ = buffer.combine(recv_x, handle, recv_w)
+        return recv_x, recv_idx, recv_w, handle.actual_num_recv_tokens, combined, combined_w
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = step()  # also warms up: the extension, the communication stream
+    torch.cuda.current_stream().wait_stream(side)
+    eager = [t.clone() for t in eager]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for scale, shift in ((2.0, 0), (0.5, 1), (1.0, 0)):
+        static_x.copy_(p.x[rank].cuda() * scale)
+        static_idx.copy_(p.topk_idx[rank].roll(shift, dims=1).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        recv_x, recv_idx, _, actual, combined, _ = captured
+        n = int(eager[3])
+        assert int(actual) == n
+        assert torch.equal(recv_x[:n], eager[0][:n] * scale) and not recv_x[n:].any()
+        # rolling every token's experts changes which weight goes with which id, not the set
+        assert torch.equal(recv_idx.sort(dim=1).values, eager[1].sort(dim=1).values)
+        assert torch.equal(combined, eager[4] * scale)
+    assert buffer._impl.failure() is None

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ep_comm.config import CONTROL_BYTES, combine_slot_bytes, dispatch_slot_bytes
+from ep_comm.extension import load_extension
 from ep_comm.testing import run_ranks
 
 SCENARIOS = str(Path(__file__).with_name("scenarios.py"))
@@ -16,8 +18,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "torch"])
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_roundtrip_with_cuda_tensors(world, backend):
-    """Received rows, ids and weights exact (BF16 and FP8), combine against float64: both
-    backends meet the same exact expectations, so they agree row by row."""
+    """Received rows, ids and weights exact (BF16 and FP8), combine bit for bit against the
+    reference order of sums: both backends meet the same exact expectations, so they agree
+    row by row."""
     run_ranks(world, SCENARIOS, "roundtrip", "cuda", 2000 + world, backend, limit=600)
 
 
@@ -27,5 +30,28 @@ def test_async_flags_give_the_plain_result(backend):
     run_ranks(4, SCENARIOS, "async_paths", backend, limit=600)
 
 
-def test_cuda_backend_reports_an_absent_peer():
+@pytest.mark.parametrize("world", [2, 8])
+def test_dispatch_and_combine_in_a_cuda_graph(world):
+    run_ranks(world, SCENARIOS, "cuda_graph", limit=600)
+
+
+def test_num_worst_tokens_overflow_is_reported_on_every_rank():
+    run_ranks(3, SCENARIOS, "overflow_on_gpu", limit=300)
+
+
+def test_rings_larger_than_the_buffer_are_refused_on_every_rank():
+    run_ranks(2, SCENARIOS, "buffer_too_small", limit=300)
+
+
+def test_a_kernel_waiting_for_an_absent_peer_times_out():
     run_ranks(2, SCENARIOS, "absent_peer_on_gpu", limit=120)
+
+
+def test_buffer_layout_constants_match_the_kernels():
+    """The Python side sizes buffers with the same layout the kernels use."""
+    native = load_extension().Intranode
+    assert native.control_bytes() == CONTROL_BYTES
+    for widths in ([512], [256, 8, 32, 16], [14336, 64, 32], [7168, 224, 128, 64]):
+        assert native.dispatch_slot_bytes(widths) == dispatch_slot_bytes(widths)
+    for hidden, topk in ((256, 0), (7168, 8), (4096, 3)):
+        assert native.combine_slot_bytes(hidden, topk) == combine_slot_bytes(hidden, topk)

@@ -16,21 +16,28 @@ import torch.distributed as dist
 
 from ep_comm import checks
 from ep_comm.collectives import Collectives
-from ep_comm.config import Config, recommended_config
+from ep_comm.config import CONTROL_BYTES, Config, recommended_config
+from ep_comm.cuda_backend import MAX_RANKS, CudaExchange
 from ep_comm.event import EventOverlap, capture
-from ep_comm.exchange import DispatchInput, TokenExchange
+from ep_comm.exchange import DispatchInput
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import dispatch_layout
 from ep_comm.streams import CommStream
+from ep_comm.torch_backend import TorchExchange
 
 BACKENDS = ("auto", "cuda", "torch")
 
 
-def _why_not_cuda(num_nvl_bytes: int) -> str | None:
+def _why_not_cuda(num_nvl_bytes: int, num_ranks: int) -> str | None:
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    if num_nvl_bytes <= 0:
-        return "num_nvl_bytes is 0 (the cuda backend's buffers; Config.get_nvl_buffer_size_hint)"
+    if num_ranks > MAX_RANKS:
+        return f"it runs at most {MAX_RANKS} ranks (one host), the group has {num_ranks}"
+    if num_nvl_bytes <= CONTROL_BYTES:
+        return (
+            f"num_nvl_bytes={num_nvl_bytes} leaves no room for its rings "
+            "(Config.get_nvl_buffer_size_hint)"
+        )
     try:
         from ep_comm.extension import load_extension
 
@@ -51,8 +58,10 @@ class Buffer:
         0 and False only.
     backend: "auto" (default, or $EP_COMM_BACKEND), "cuda" or "torch"; `Buffer.backend` says
         which runs. "auto" takes "cuda" when every rank has CUDA, all ranks are on one host,
-        num_nvl_bytes > 0 and the extension builds; otherwise "torch".
-    timeout: how long a rank waits for the others in any step before raising `EPCommError`.
+        there are at most 8 ranks, num_nvl_bytes leaves room for rings and the extension
+        builds; otherwise "torch".
+    timeout: how long a rank waits for the others in any step (host or GPU) before raising
+        `EPCommError`; the cuda backend raises a timeout inside its kernels on the next call.
     """
 
     num_sms: int = 20
@@ -87,17 +96,16 @@ class Buffer:
             raise ValueError(f"unknown ep_comm backend {requested!r}; expected one of {BACKENDS}")
         self._comm = Collectives(group, timeout)
         self.backend = self._choose_backend(requested, num_nvl_bytes)
-        transport = self._comm
-        if self.backend == "cuda":
-            from ep_comm.ipc_transport import IpcTransport
-
-            transport = IpcTransport(self._comm, num_nvl_bytes)
-        self._impl = TokenExchange(transport, self.rank, self.group_size)
+        self._impl = (
+            CudaExchange(self._comm, num_nvl_bytes, timeout)
+            if self.backend == "cuda"
+            else TorchExchange(self._comm)
+        )
         self._streams = CommStream()
 
     def _choose_backend(self, requested: str, num_nvl_bytes: int) -> str:
         """The same answer on every rank: cuda only if it can run on all of them."""
-        reason = None if requested == "torch" else _why_not_cuda(num_nvl_bytes)
+        reason = None if requested == "torch" else _why_not_cuda(num_nvl_bytes, self.group_size)
         host = zlib.crc32(socket.gethostname().encode())
         local = torch.tensor([reason is None, host], dtype=torch.int64)
         everyone = self._comm.all_gather("Buffer(): choose the backend", local)
@@ -111,8 +119,8 @@ class Buffer:
 
     def destroy(self) -> None:
         """Free the cuda backend's buffers now (else they live until the process exits)."""
-        if hasattr(self._impl.transport, "destroy"):
-            self._impl.transport.destroy()
+        if self.backend == "cuda":
+            self._impl.destroy()
 
     def _device_problem(self, x) -> str | None:
         on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
@@ -123,8 +131,7 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """SMs the `cuda` backend's normal-mode kernels use (even, as in DeepEP)."""
-        if new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"the SM count must be a positive even number, got {new_num_sms}")
+        Config(num_sms=new_num_sms)  # raises ValueError for a bad count
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -155,7 +162,8 @@ class Buffer:
         bool, and an EventOverlap.
         """
         checks.check_topk(topk_idx, None, num_experts, self.group_size, None)
-        checks.check_expert_ids(topk_idx, num_experts)
+        if not _capturing():
+            checks.check_expert_ids(topk_idx, num_experts)
 
         def work():
             per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
@@ -198,7 +206,7 @@ class Buffer:
         count, which the handle's `actual_num_recv_tokens` holds).
         """
         del num_tokens_per_rdma_rank  # internode only
-        self._impl.num_sms = config.num_sms if config is not None else Buffer.num_sms
+        config = config or self.get_dispatch_config(self.group_size)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         cached = handle is not None
         problem = checks.problem_of(
@@ -214,53 +222,50 @@ class Buffer:
             expert_alignment,
             num_worst_tokens,
             self.group_size,
+            not _capturing(),
         ) or self._device_problem(x)
+        num_experts = handle.num_experts if cached else _last_dim(num_tokens_per_expert)
+        if problem is None and self.backend == "cuda":
+            problem = self._impl.dispatch_problem(
+                x, x_scales, topk_idx, topk_weights, config, handle, num_experts
+            )
         signature = {
             "hidden": _last_dim(x),
             "x dtype": str(getattr(x, "dtype", type(x).__name__)),
             "FP8 scales": x_scales is not None,
             "cached handle": cached,
-            "num_experts": getattr(handle, "num_experts", None) or _last_dim(num_tokens_per_expert),
+            "num_experts": num_experts,
             "num_topk": _last_dim(topk_idx),
             "num_worst_tokens": num_worst_tokens,
+            "config": repr(config),
         }
-        self._comm.agree("dispatch: check arguments", signature, problem)
+        self._comm.agree("dispatch: check arguments", signature, problem, self._impl.failure())
 
         inputs = (x, x_scales, topk_idx, topk_weights)
         if cached:
 
             def cached_work():
-                recv_x, recv_x_scales = self._impl.dispatch_cached(x, x_scales, handle)
+                recv_x, recv_x_scales = self._impl.dispatch_cached(x, x_scales, handle, config)
                 received = recv_x if x_scales is None else (recv_x, recv_x_scales)
                 return received, None, None, None, None
 
             return self._streams.run(
                 cached_work, inputs, previous_event, async_finish, allocate_on_comm_stream
             )
-        num_experts = num_tokens_per_expert.shape[0]
         inp = DispatchInput(
             x,
             x_scales,
             topk_idx,
             topk_weights,
+            num_tokens_per_rank,
             is_token_in_rank,
-            num_experts,
+            num_tokens_per_expert,
             expert_alignment,
             num_worst_tokens,
         )
 
         def work():
-            local = torch.cat([num_tokens_per_rank, num_tokens_per_expert]).to(torch.int64)
-            gathered = self._impl.transport.all_gather("dispatch: exchange counts", local).cpu()
-            counts, expert_counts = gathered[:, : self.group_size], gathered[:, self.group_size :]
-            received = counts.sum(dim=0).tolist()
-            if num_worst_tokens and max(received) > num_worst_tokens:
-                worst_rank = received.index(max(received))
-                raise ValueError(
-                    f"dispatch: rank {worst_rank} would receive {max(received)} tokens, more than "
-                    f"num_worst_tokens={num_worst_tokens}"
-                )
-            out = self._impl.dispatch(inp, counts, expert_counts)
+            out = self._impl.dispatch(inp, config)
             return (
                 out.recv_x if x_scales is None else (out.recv_x, out.recv_x_scales),
                 out.recv_topk_idx,
@@ -292,23 +297,30 @@ class Buffer:
         bias: zero, one or two `[num_tokens, hidden]` bf16 tensors added to the result.
         Returns combined_x `[num_tokens, hidden]` bf16, combined_topk_weights (or None), event.
         """
-        self._impl.num_sms = config.num_sms if config is not None else Buffer.num_sms
+        config = config or self.get_combine_config(self.group_size)
         biases = [] if bias is None else list(bias) if isinstance(bias, tuple) else [bias]
         problem = checks.problem_of(checks.check_combine, x, handle, topk_weights, biases)
         problem = problem or self._device_problem(x)
+        if problem is None and self.backend == "cuda":
+            problem = self._impl.combine_problem(x, topk_weights, config, handle)
         signature = {
             "hidden": _last_dim(x),
             "x dtype": str(getattr(x, "dtype", type(x).__name__)),
             "topk_weights given": topk_weights is not None,
+            "config": repr(config),
         }
-        self._comm.agree("combine: check arguments", signature, problem)
+        self._comm.agree("combine: check arguments", signature, problem, self._impl.failure())
         return self._streams.run(
-            lambda: self._impl.combine(x, handle, topk_weights, biases),
+            lambda: self._impl.combine(x, handle, topk_weights, biases, config),
             (x, topk_weights, *biases),
             previous_event,
             async_finish,
             allocate_on_comm_stream,
         )
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _last_dim(tensor) -> int | None:

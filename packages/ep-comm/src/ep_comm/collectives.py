@@ -42,21 +42,33 @@ class Collectives:
                 f"{self.timeout.total_seconds():g} s waiting for the other ranks ({error})"
             ) from error
 
-    def agree(self, step: str, signature: dict, problem: str | None) -> None:
-        """Raise on every rank if any rank has a `problem` or the signatures differ."""
-        if problem is not None:
-            problem = problem[:1000]  # the whole entry must fit MESSAGE_BYTES
-        payload = json.dumps([signature, problem]).encode()
+    def agree(
+        self, step: str, signature: dict, problem: str | None, failure: str | None = None
+    ) -> None:
+        """Raise on every rank if any rank has a `problem` (ValueError) or an earlier `failure`
+        (EPCommError), or if the signatures differ."""
+        problem = problem and problem[:1000]  # the whole entry must fit MESSAGE_BYTES
+        failure = failure and failure[:1000]
+        payload = json.dumps([signature, problem, failure]).encode()
         if len(payload) > MESSAGE_BYTES:
             raise ValueError(f"{step}: argument signature too long ({len(payload)} bytes)")
         local = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8, device=self.device)
         local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
-        self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+        try:
+            self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+        except EPCommError as error:
+            if failure is not None:  # the likelier cause
+                raise EPCommError(failure) from error
+            raise
         entries = [json.loads(bytes(t.cpu().tolist()).rstrip(b"\0")) for t in gathered]
+        failures = [(rank, entry[2]) for rank, entry in enumerate(entries) if entry[2]]
+        if failures:  # the same error everywhere: the lowest rank's
+            rank, first = failures[0]
+            raise EPCommError(first if rank == self.rank else f"{step}: rank {rank}: {first}")
         if problem is not None:
             raise ValueError(problem)
-        for rank, (_, other_problem) in enumerate(entries):
+        for rank, (_, other_problem, _) in enumerate(entries):
             if other_problem is not None:
                 raise ValueError(f"{step}: rank {rank} rejected its arguments: {other_problem}")
         for key in signature:
@@ -72,14 +84,11 @@ class Collectives:
         self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
         return torch.stack(gathered).to(tensor.device)
 
-    def all_to_all(
-        self, step: str, rows: torch.Tensor, counts: torch.Tensor, num_sms: int = 0
-    ) -> torch.Tensor:
+    def all_to_all(self, step: str, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows grouped by destination rank in, rows grouped by source rank out (uint8 rows).
 
-        counts: `[src, dst]` rows every rank sends every rank (host). num_sms: unused here.
+        counts: `[src, dst]` rows every rank sends every rank (host).
         """
-        del num_sms
         send_counts, recv_counts = counts[self.rank].tolist(), counts[:, self.rank].tolist()
         send = rows.to(self.device)
         received = torch.empty(

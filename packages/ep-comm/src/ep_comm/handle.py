@@ -12,17 +12,18 @@ class DispatchHandle(NamedTuple):
 
     # [num_ranks, num_ranks] int32: entry [i][j] counts the tokens ranks 0..i send to rank j
     rank_prefix_matrix: torch.Tensor
-    # [num_recv_tokens] int32 (num_worst_tokens rows, -1 padded): each received row's index on
+    # [received rows] int32 (num_worst_tokens rows, -1 padded): each received row's index on
     # its source rank
     recv_src_idx: torch.Tensor
     # [num_tokens, num_ranks] bool: where this rank's tokens went
     is_token_in_rank: torch.Tensor
-    # [sum of is_token_in_rank] int64: this rank's tokens in send order (by destination rank)
-    send_token_idx: torch.Tensor
     num_experts: int
-    num_recv_tokens: int
     # [1] int32 with num_worst_tokens, else None
     actual_num_recv_tokens: torch.Tensor | None
+    # torch backend: [sum of is_token_in_rank] int64, this rank's tokens in send order
+    send_token_idx: torch.Tensor | None = None
+    # cuda backend: [num_ranks, num_channels] int32, rows received from each rank per channel
+    channel_counts: torch.Tensor | None = None
 
     def counts(self) -> torch.Tensor:
         """[src, dst] tokens sent, on the host."""

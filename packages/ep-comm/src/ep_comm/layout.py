@@ -29,16 +29,13 @@ def dispatch_layout(
     is_token_in_rank `[num_tokens, num_ranks]` bool.
     """
     per_rank = experts_per_rank(num_experts, num_ranks)
-    num_tokens = topk_idx.shape[0]
-    valid = topk_idx >= 0
+    # Fixed shapes and no boolean indexing: nothing waits for the GPU (CUDA graph capture).
+    valid = (topk_idx >= 0).to(torch.int32)
     experts = topk_idx.clamp(min=0)
     num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
-    num_tokens_per_expert.index_add_(
-        0, experts[valid], torch.ones_like(experts[valid], dtype=torch.int32)
-    )
-    is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
-    rows = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)
-    is_token_in_rank[rows[valid], (experts // per_rank)[valid]] = True
+    num_tokens_per_expert.scatter_add_(0, experts.flatten(), valid.flatten())
+    hits = torch.zeros(topk_idx.shape[0], num_ranks, dtype=torch.int32, device=topk_idx.device)
+    is_token_in_rank = hits.scatter_add_(1, experts // per_rank, valid) > 0
     num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
