@@ -1,0 +1,206 @@
+"""`ModelArgs`: every hyper-parameter of a DeepSeek-V3-architecture model, with presets.
+
+Field names follow the Hugging Face `config.json` of DeepSeek-V3, so a checkpoint's config maps
+onto them directly (`ModelArgs.from_hf_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+# mla_kernels' paged decode works on 576-wide cache rows: a 512 latent and a 64 rope part.
+MLA_KERNEL_LATENT = 512
+MLA_KERNEL_ROPE = 64
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432  # the dense layers' MLP
+    moe_intermediate_size: int = 2048  # one expert's MLP
+    num_hidden_layers: int = 61
+    first_k_dense_replace: int = 3  # the first layers have a dense MLP instead of MoE
+    num_attention_heads: int = 128
+    q_lora_rank: int | None = 1536  # None: a plain query projection (as in V2-Lite)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8  # expert groups; top-k runs within the topk_group best ones
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True  # rope dims rotate in adjacent pairs (DeepSeek's layout)
+    # YaRN (rope_factor 1: plain rope)
+    rope_factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    max_position_embeddings: int = 163840
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n_routed_experts % self.n_group:
+            problems.append(f"n_routed_experts ({self.n_routed_experts}) not divisible by n_group")
+        if not 1 <= self.topk_group <= self.n_group:
+            problems.append(f"topk_group ({self.topk_group}) outside 1..n_group ({self.n_group})")
+        per_group = self.n_routed_experts // max(self.n_group, 1)
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            problems.append(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) > experts in the chosen groups "
+                f"({self.topk_group} x {per_group})"
+            )
+        if per_group < 2 and self.n_group > 1:
+            problems.append("group scores sum each group's top 2 experts: need >= 2 per group")
+        if self.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
+        if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
+            problems.append("first_k_dense_replace outside 0..num_hidden_layers")
+        if problems:
+            raise ValueError("unsupported model config: " + "; ".join(problems))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        if self.rope_factor > 1 and self.mscale_all_dim:
+            scale *= yarn_mscale(self.rope_factor, self.mscale_all_dim) ** 2
+        return scale
+
+    @property
+    def paged_decode_problem(self) -> str | None:
+        """Why mla_kernels cannot run this model's decode, or None."""
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != (MLA_KERNEL_LATENT, MLA_KERNEL_ROPE):
+            return (
+                f"paged decode runs through mla_kernels, which needs kv_lora_rank "
+                f"{MLA_KERNEL_LATENT} and qk_rope_head_dim {MLA_KERNEL_ROPE}; this model has "
+                f"{self.kv_lora_rank} and {self.qk_rope_head_dim}"
+            )
+        return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def num_parameters(self) -> int:
+        h, heads = self.hidden_size, self.num_attention_heads
+        q = h * heads * self.qk_head_dim
+        if self.q_lora_rank:
+            q = h * self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        attention = q + kv + heads * self.v_head_dim * h
+        dense = 3 * h * self.intermediate_size
+        experts = self.n_routed_experts + self.n_shared_experts
+        moe = 3 * h * self.moe_intermediate_size * experts + self.n_routed_experts * h
+        moe_layers = self.num_hidden_layers - self.first_k_dense_replace
+        layers = self.num_hidden_layers * attention + self.first_k_dense_replace * dense
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return layers + moe_layers * moe + embeddings
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> ModelArgs:
+        """From a Hugging Face DeepSeek-V3 `config.json` (V2/V3 field names)."""
+        if config.get("model_type") not in (None, "deepseek_v3"):
+            raise ValueError(f"model_type {config['model_type']!r} is not deepseek_v3")
+        scoring = config.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ValueError(f"scoring_func {scoring!r}: only sigmoid (DeepSeek-V3) is supported")
+        if config.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"topk_method {config['topk_method']!r}: only noaux_tc is supported")
+        if (
+            config.get("num_key_value_heads", config["num_attention_heads"])
+            != config["num_attention_heads"]
+        ):
+            raise ValueError("MLA has as many key/value heads as attention heads")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in config.items() if k in fields}
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "yarn":
+            values["rope_factor"] = rope.get("factor") or (
+                config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+            )
+            for key in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+                if rope.get(key) is not None:
+                    values[key] = rope[key]
+            values["mscale"] = rope.get("mscale") or 0.0
+            values["mscale_all_dim"] = rope.get("mscale_all_dim") or 0.0
+        elif kind == "default":
+            values["rope_factor"] = 1.0
+        else:
+            raise ValueError(f"rope type {kind!r}: only default and yarn are supported")
+        for key in ("eos_token_id", "bos_token_id"):
+            if isinstance(values.get(key), list):
+                values[key] = values[key][0]
+        return cls(**values)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+PRESETS = {
+    # Small enough for CPU tests in seconds; decode still runs through mla_kernels (512 + 64).
+    "tiny": ModelArgs(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        rope_factor=4.0,
+        original_max_position_embeddings=256,
+        max_position_embeddings=1024,
+    ),
+    # DeepSeek-V2-Lite's shapes (16B parameters, 2.4B active) with V3's routing: one GPU.
+    "v2-lite": ModelArgs(
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        first_k_dense_replace=1,
+        num_attention_heads=16,
+        q_lora_rank=None,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        original_max_position_embeddings=4096,
+        max_position_embeddings=163840,
+        bos_token_id=100000,
+        eos_token_id=100001,
+    ),
+    # DeepSeek-V3 (671B): for shapes and cost; not loaded here.
+    "v3": ModelArgs(),
+}

@@ -1,0 +1,135 @@
+"""Weights: random from a seed, or a Hugging Face DeepSeek-V3 checkpoint directory.
+
+A checkpoint is `config.json` plus safetensors files (one, or shards named by
+`model.safetensors.index.json`). Tensors are read memory-mapped, one at a time, straight into
+the model's parameters. FP8 e4m3 weights come with `weight_scale_inv`, one fp32 scale per
+128 x 128 block, and are dequantized on load. Routed experts this rank does not hold are not
+read; layers past `num_hidden_layers` (DeepSeek-V3's multi-token-prediction layer) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ref_server.model.args import ModelArgs
+from ref_server.model.transformer import Transformer
+
+FP8_BLOCK = 128
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: what is wrong and where."""
+
+
+def read_config(path: Path) -> ModelArgs:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    try:
+        return ModelArgs.from_hf_config(json.loads(config_file.read_text()))
+    except (KeyError, TypeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{config_file}: not a DeepSeek-V3 config ({error!r})") from error
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Checkpoint tensor name to the safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index.name} names {file.name}, which is not in {path}")
+        return files
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{path} has no .safetensors files")
+    files = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            files |= dict.fromkeys(f.keys(), shard)
+    return files
+
+
+def checkpoint_name(name: str, model: Transformer) -> str:
+    """Our parameter name to the checkpoint's (routed experts: local index to global)."""
+    parts = name.split(".")
+    if parts[0] == "layers" and parts[3:5][:1] == ["experts"]:
+        moe = model.layers[int(parts[1])].mlp
+        parts[4] = str(moe.first_expert + int(parts[4]))
+    return name if name.startswith("lm_head.") else "model." + ".".join(parts)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """e4m3 `[out, in]` times one fp32 scale per 128 x 128 block `[ceil(out/128), ceil(in/128)]`."""
+    rows, cols = weight.shape
+    blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if tuple(scale_inv.shape) != blocks:
+        raise CheckpointError(f"weight_scale_inv {list(scale_inv.shape)}, expected {list(blocks)}")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return weight.float() * scale[:rows, :cols]
+
+
+def load_weights(model: Transformer, path: Path) -> None:
+    files = weight_files(path)
+    missing, wrong = [], []
+    with ExitStack() as stack, torch.no_grad():
+        handles = {}
+
+        def read(name: str) -> torch.Tensor:
+            file = files[name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+            return handles[file].get_tensor(name)
+
+        for name, target in [*model.named_parameters(), *model.named_buffers()]:
+            source = checkpoint_name(name, model)
+            if source not in files:
+                missing.append(source)
+                continue
+            value = read(source)
+            if value.dtype == torch.float8_e4m3fn:
+                scale = source.removesuffix("weight") + "weight_scale_inv"
+                if scale not in files:
+                    raise CheckpointError(f"{source} is FP8 but {scale} is missing")
+                value = dequantize_fp8(value, read(scale))
+            if value.shape != target.shape:
+                wrong.append(f"{source}: {list(value.shape)}, model {list(target.shape)}")
+                continue
+            target.copy_(value)
+    if missing or wrong:
+        listing = [f"missing: {m}" for m in missing[:10]] + [f"shape: {w}" for w in wrong[:10]]
+        more = len(missing) + len(wrong) - len(listing)
+        raise CheckpointError(
+            f"{path} does not match the model of its config.json "
+            f"({len(missing)} missing, {len(wrong)} of the wrong shape):\n  "
+            + "\n  ".join(listing)
+            + (f"\n  ... and {more} more" if more > 0 else "")
+        )
+
+
+def init_random(model: Transformer, seed: int) -> None:
+    """Weights from `seed`: N(0, 1/fan_in) for projections, N(0, 1) for embeddings, ones for
+    norms, zeros for the routing bias. Each tensor draws from its own generator on its device,
+    seeded from (seed, its checkpoint name): ranks on one kind of device agree."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            source = checkpoint_name(name, model)
+            generator = torch.Generator(tensor.device).manual_seed(hash_seed(seed, source))
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.zero_()
+            else:
+                std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5
+                tensor.normal_(0.0, std, generator=generator)
+
+
+def hash_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)

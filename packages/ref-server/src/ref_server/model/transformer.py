@@ -1,0 +1,341 @@
+"""DeepSeek-V3 in plain torch, top to bottom: norms, rope, MLA, MLP, MoE, blocks, the model.
+
+Two ways through the model:
+- `forward(input_ids)`: a full causal pass without cache, attention on decompressed heads
+  (SDPA); the same contract as `transformers`' forward.
+- `forward_step(batch, cache)`: new tokens of several sequences against a paged latent cache.
+  Prefill decompresses each sequence's cached context and attends densely; decode (one new
+  token per sequence) uses the absorbed form through `mla_kernels.flash_mla_with_kvcache`.
+
+Module and parameter names follow the Hugging Face checkpoint, so loading is name for name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mla_kernels
+from ref_server.model.args import ModelArgs, yarn_mscale
+from ref_server.model.cache import PagedKVCache, StepBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the rope dims and the factor on cos/sin (YaRN if rope_factor > 1)."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    # on the CPU explicitly: models are built under torch.device("meta") before loading
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    extrapolation = 1.0 / base**exponents
+    if args.rope_factor <= 1:
+        return extrapolation, 1.0
+    factor = args.rope_factor
+
+    def correction_dim(rotations: float) -> float:
+        length = args.original_max_position_embeddings
+        return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(args.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
+    steps = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = (steps - low) / max(high - low, 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = extrapolation / factor * (1 - keep) + extrapolation * keep
+    if args.mscale and args.mscale_all_dim:
+        attention_factor = yarn_mscale(factor, args.mscale) / yarn_mscale(
+            factor, args.mscale_all_dim
+        )
+    else:
+        attention_factor = yarn_mscale(factor, 1.0)
+    return inv_freq, attention_factor
+
+
+class Rope(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.inv_freq, self.attention_factor = rope_inv_freq(args)  # not a buffer: stays fp32
+        self.interleave = args.rope_interleave
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x `[..., n, heads, dim]` rotated at positions `[n]`; interleaved pairs come out
+        de-interleaved (evens then odds), as in the reference implementation."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq.to(x.device)
+        cos = (angles.cos() * self.attention_factor).to(x.dtype).unsqueeze(-2)
+        sin = (angles.sin() * self.attention_factor).to(x.dtype).unsqueeze(-2)
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        h, heads = args.hidden_size, args.num_attention_heads
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, heads * args.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            h, args.kv_lora_rank + args.qk_rope_head_dim, bias=False
+        )
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
+        kv_width = args.qk_nope_head_dim + args.v_head_dim
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
+        self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=False)
+        self.rope = Rope(args)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x `[..., n, hidden]` to q_nope, q_rope `[..., n, heads, *]`, the normalized latent
+        `[..., n, kv_lora_rank]` and the rotated shared rope key `[..., n, rope]`."""
+        a = self.args
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        q = q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim))
+        q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        q_rope = self.rope(q_rope, positions)
+        k_rope = self.rope(k_rope.unsqueeze(-2), positions).squeeze(-2)
+        return q_nope, q_rope, self.kv_a_layernorm(latent), k_rope
+
+    def _decompress(self, latent: torch.Tensor, k_rope: torch.Tensor):
+        """Per-head keys `[..., t, heads, qk_head_dim]` and values `[..., t, heads, v]`."""
+        a = self.args
+        kv = self.kv_b_proj(latent).unflatten(-1, (a.num_attention_heads, -1))
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(-2).expand(*k_nope.shape[:-1], -1)], dim=-1)
+        return k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, causal=False):
+        """q `[..., s, heads, d]` over k, v `[..., t, heads, *]`: `[..., s, heads * v]`."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(-3, -2),
+            k.transpose(-3, -2),
+            v.transpose(-3, -2),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.args.softmax_scale,
+        )
+        return out.transpose(-3, -2).flatten(-2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x `[b, t, hidden]`, a causal pass over whole sequences."""
+        q_nope, q_rope, latent, k_rope = self._project(x, positions)
+        k, v = self._decompress(latent, k_rope)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        return self.o_proj(self._attend(q, k, v, causal=True))
+
+    def forward_step(self, x, positions, cache: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        """x `[n, hidden]`: the new tokens; cache: this layer's `[blocks, page, 1, 576]`."""
+        batch = step.batch
+        q_nope, q_rope, latent, k_rope = self._project(x, positions)
+        mla_kernels.write_kv_cache(cache, latent, k_rope, step.slot_mapping, check_values=False)
+        if batch.is_decode:
+            out = self._absorbed_decode(q_nope, q_rope, batch, cache, step)
+        else:
+            out = self._prefill_from_cache(q_nope, q_rope, batch, cache, positions)
+        return self.o_proj(out.to(x.dtype))
+
+    def _prefill_from_cache(self, q_nope, q_rope, batch, cache, positions):
+        a, page = self.args, cache.shape[1]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        outputs, start = [], 0
+        for s, (new, context) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+            blocks = batch.block_table[s, : -(-context // page)].long().to(cache.device)
+            rows = cache[blocks].flatten(0, 2)[:context]  # [context, 576]
+            latent, k_rope = rows.to(q.dtype).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+            k, v = self._decompress(latent, k_rope)
+            seen = torch.arange(context, device=q.device) <= positions[start : start + new, None]
+            outputs.append(self._attend(q[start : start + new], k, v, mask=seen))
+            start += new
+        return torch.cat(outputs)
+
+    def _absorbed_decode(self, q_nope, q_rope, batch, cache, step):
+        """One token per sequence: queries absorb kv_b's key half and attend to the latent cache
+        (576-wide rows, values are the first 512), then values go through kv_b's value half."""
+        a = self.args
+        w = self.kv_b_proj.weight.unflatten(0, (a.num_attention_heads, -1))
+        w_key, w_value = w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
+        q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_key)
+        q = torch.cat([q_latent, q_rope], dim=-1).to(cache.dtype).unsqueeze(1)  # [b, 1, h, 576]
+        out, _ = mla_kernels.flash_mla_with_kvcache(
+            q,
+            cache,
+            step.block_table,
+            step.cache_seqlens,
+            a.kv_lora_rank,
+            step.tile_scheduler_metadata,
+            step.num_splits,
+            softmax_scale=a.softmax_scale,
+            causal=True,
+            check_values=False,
+        )
+        out = torch.einsum("nhc,hvc->nhv", out.squeeze(1).to(w.dtype), w_value)
+        return out.flatten(1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid scores; the choice adds a per-expert bias and keeps the topk_group groups with the
+    best two-expert sums; weights are the unbiased scores, normalized, times the scaling."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[n, hidden]` to weights `[n, k]` fp32 and expert ids `[n, k]` int64."""
+        a = self.args
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = choice.topk(a.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * a.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank's share of them) plus shared experts. With `expert_parallel`,
+    tokens travel to the ranks holding their experts through ep_comm and back."""
+
+    def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
+        super().__init__()
+        self.args = args
+        self.expert_parallel = expert_parallel
+        rank, size = (0, 1) if expert_parallel is None else expert_parallel.rank_and_size
+        self.experts_per_rank = args.n_routed_experts // size
+        self.first_expert = rank * self.experts_per_rank
+        self.gate = Gate(args)
+        self.experts = nn.ModuleList(
+            MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(self.experts_per_rank)
+        )
+        shared = args.moe_intermediate_size * args.n_shared_experts
+        self.shared_experts = MLP(args.hidden_size, shared) if args.n_shared_experts else None
+
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: elsewhere); the weighted sums."""
+        out = torch.zeros_like(x)
+        for e in ids[ids >= 0].unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        if self.expert_parallel is None:
+            routed = self.run_experts(x, ids, weights)
+        else:
+            routed = self.expert_parallel.exchange(x, ids, weights, self.run_experts)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, expert_parallel=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.is_moe_layer(layer):
+            self.mlp = MoE(args, expert_parallel)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None, step=None) -> torch.Tensor:
+        """Without `step`, a causal pass; with it, a cached step (kv: this layer's cache)."""
+        h = self.input_layernorm(x)
+        if step is None:
+            x = x + self.self_attn(h, positions)
+        else:
+            x = x + self.self_attn.forward_step(h, positions, kv, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StepMetadata:
+    """What every layer of one cached step shares: slots, the block table, decode schedule."""
+
+    def __init__(self, batch: StepBatch, cache: PagedKVCache, heads: int) -> None:
+        self.batch = batch
+        device = cache.layers[0].device
+        self.slot_mapping = batch.slot_mapping(cache.page_size).to(device)
+        self.block_table = batch.block_table.to(device=device, dtype=torch.int32)
+        if batch.is_decode:
+            self.cache_seqlens = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)
+            self.tile_scheduler_metadata, self.num_splits = mla_kernels.get_mla_metadata(
+                self.cache_seqlens, heads, 1
+            )
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(args, i, expert_parallel) for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids `[b, t]` int64 to logits `[b, t, vocab]` float32 (no cache)."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.lm_head(self.norm(x)).float()
+
+    @torch.no_grad()
+    def forward_step(self, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
+        """The new tokens of `batch` through the cache; logits `[b, vocab]` float32 of each
+        sequence's last new token."""
+        step = StepMetadata(batch, cache, self.args.num_attention_heads)
+        positions = batch.positions()
+        x = self.embed_tokens(batch.input_ids)
+        for layer, kv in zip(self.layers, cache.layers, strict=True):
+            x = layer(x, positions, kv, step)
+        last = torch.tensor(batch.query_lens, device=x.device).cumsum(0) - 1
+        return self.lm_head(self.norm(x[last])).float()

@@ -1,0 +1,119 @@
+"""Tiny DeepSeek-V3 checkpoints written by `transformers` (the independent reference), for
+tests through the `checkpoints` fixture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=128,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+
+
+def hf_config(**overrides):
+    """kv_lora_rank 512 and rope 64, so decode runs through mla_kernels; small elsewhere."""
+    from transformers import DeepseekV3Config
+
+    values = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=48,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=24,
+        max_position_embeddings=512,
+        rope_parameters=YARN,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    values.update(overrides)
+    return DeepseekV3Config(**values)
+
+
+def write_checkpoint(path: Path, seed: int = 0, **overrides):
+    """A random transformers model saved to `path`; returns it (eval mode)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(hf_config(**overrides)).eval()
+    with torch.no_grad():  # norms, routing bias and head away from their defaults
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.normal_(1.0, 0.1)
+            elif name == "lm_head.weight":
+                parameter.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = 128):
+    """e4m3 values and one fp32 scale_inv per block x block tile (DeepSeek's FP8 layout)."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    padded = torch.zeros(grid[0] * block, grid[1] * block)
+    padded[:rows, :cols] = weight.float()
+    tiles = padded.view(grid[0], block, grid[1], block)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-8) / 448.0
+    values = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return values.view(padded.shape)[:rows, :cols].contiguous(), scale
+
+
+def to_fp8_sharded(source: Path, target: Path, shards: int = 2) -> dict[str, torch.Tensor]:
+    """Rewrite a checkpoint with FP8 projection weights in `shards` files plus an index;
+    returns the dequantized weights the FP8 checkpoint stands for."""
+    tensors = load_file(source / "model.safetensors")
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    out, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight") or name.endswith("mqa.weight"):
+            values, scale = quantize_blocks(tensor)
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = values, scale
+            expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            dequantized[name] = values.float() * expanded[: tensor.shape[0], : tensor.shape[1]]
+        else:
+            out[name] = dequantized[name] = tensor
+    names = sorted(out)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: out[n].contiguous() for n in names[i::shards]}
+        save_file(part, target / file)
+        weight_map |= dict.fromkeys(part, file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dequantized
+
+
+@pytest.fixture
+def checkpoints() -> SimpleNamespace:
+    """write(path, seed, **config overrides) and to_fp8_sharded(source, target)."""
+    return SimpleNamespace(write=write_checkpoint, to_fp8_sharded=to_fp8_sharded)

@@ -1,0 +1,207 @@
+"""The model against transformers' DeepseekV3ForCausalLM on the same checkpoints (CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ref_server.model as M
+from ep_comm.testing import run_ranks
+from ref_server.model import CheckpointError, SamplingParams, StepBatch
+
+CONFIGS = {
+    "q_lora, yarn, 4 groups choose 2": {},
+    "no q_lora, plain rope, 1 group": dict(
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "2 dense layers, 2 groups choose 1, raw weights": dict(
+        first_k_dense_replace=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    ),
+    "all MoE, half-split rope": dict(first_k_dense_replace=0, rope_interleave=False),
+}
+
+
+def reference_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_and_decode_match_transformers(name, checkpoints, tmp_path):
+    hf = checkpoints.write(tmp_path, seed=len(name), **CONFIGS[name])
+    ours = M.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(len(name)))
+    with torch.no_grad():
+        want = hf(ids).logits
+    torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-5)
+
+    # paged prefill then absorbed decode through mla_kernels (bf16 cache), step by step
+    prompts = [ids[0, :9].tolist(), ids[1, :4].tolist()]
+    out, logits = ours.generate(prompts, SamplingParams(max_tokens=6), return_logits=True)
+    for prompt, tokens, got in zip(prompts, out, logits, strict=True):
+        ref = reference_logits(hf, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+        assert tokens == ref.argmax(dim=-1).tolist()
+
+
+def test_chunked_prefill_against_a_cache_matches_the_full_pass(checkpoints, tmp_path):
+    hf = checkpoints.write(tmp_path, seed=3)
+    ours = M.from_pretrained(tmp_path, dtype=torch.float32)
+    tokens = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = M.PagedKVCache(ours.args, num_blocks=4, page_size=16)
+    table = torch.tensor([[3, 0, 2]], dtype=torch.int32)  # pages out of order
+    done = 0
+    for chunk in (13, 20, 7):
+        batch = StepBatch(torch.tensor(tokens[done : done + chunk]), [chunk], [done + chunk], table)
+        got = ours.forward_step(batch, cache)[0]
+        done += chunk
+        want = reference_logits(hf, tokens[:done])[-1]
+        assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_forward_runs_any_mla_shape_but_paged_decode_needs_512_plus_64(checkpoints, tmp_path):
+    hf = checkpoints.write(tmp_path, seed=4, kv_lora_rank=96, qk_rope_head_dim=16)
+    ours = M.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(2, 300, (1, 12), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(ours(ids), reference_logits(hf, ids[0].tolist())[None])
+    with pytest.raises(ValueError, match="needs kv_lora_rank 512 and qk_rope_head_dim 64"):
+        ours.generate([[2, 3]])
+
+
+def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(checkpoints, tmp_path):
+    checkpoints.write(tmp_path / "bf16", seed=5)
+    dequantized = checkpoints.to_fp8_sharded(tmp_path / "bf16", tmp_path / "fp8")
+    plain = tmp_path / "dequantized"
+    plain.mkdir()
+    save_file(dequantized, plain / "model.safetensors")
+    (plain / "config.json").write_text((tmp_path / "bf16" / "config.json").read_text())
+    fp8 = M.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
+    reference = M.from_pretrained(plain, dtype=torch.float32)
+    for (name, a), (_, b) in zip(
+        fp8.state_dict().items(), reference.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    original = dict(M.from_pretrained(tmp_path / "bf16", dtype=torch.float32).named_parameters())
+    name = "layers.1.mlp.experts.2.down_proj.weight"
+    weight, rounded = original[name], dict(fp8.named_parameters())[name]
+    assert not torch.equal(weight, rounded)  # the FP8 weights really were rounded,
+    assert (weight - rounded).abs().max() <= weight.abs().max() * 2**-4  # to e4m3 precision
+
+
+def test_generation_is_deterministic_and_seeded():
+    model = M.from_preset("tiny", seed=1)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    greedy = model.generate(prompts, SamplingParams(max_tokens=8))
+    assert greedy == model.generate(prompts, SamplingParams(max_tokens=8))
+    assert all(len(t) == 8 for t in greedy)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=8, seed=11)
+    first = model.generate(prompts, sampled)
+    assert first == model.generate(prompts, sampled)
+    other = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=8, seed=12)
+    assert model.generate(prompts, other) != first
+    stop = greedy[0][2]
+    stopped = model.generate(prompts[:1], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
+    assert stopped == [greedy[0][: greedy[0].index(stop) + 1]]
+
+
+def test_presets_and_their_sizes():
+    assert M.PRESETS["v3"].num_parameters() == pytest.approx(671e9, rel=0.01)
+    assert M.PRESETS["v2-lite"].num_parameters() == pytest.approx(15.7e9, rel=0.01)
+    tiny = M.from_preset("tiny", seed=0)
+    assert tiny(torch.tensor([[3, 4, 5]])).shape == (1, 3, tiny.args.vocab_size)
+    again = M.from_preset("tiny", seed=0)
+    assert all(
+        torch.equal(a, b) for a, b in zip(tiny.parameters(), again.parameters(), strict=True)
+    )
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        M.from_preset("huge")
+
+
+def test_tokenizers(checkpoints, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = M.from_preset("tiny")
+    text = "MoE, très bien"
+    assert model.tokenizer.decode(model.tokenizer.encode(text)) == text
+    vocab = {"[UNK]": 0, "hello": 5, "world": 9}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    checkpoints.write(tmp_path, seed=6)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    loaded = M.from_pretrained(tmp_path, dtype=torch.float32)
+    assert loaded.tokenizer.encode("hello world") == [5, 9]
+
+
+def test_bad_checkpoints_are_named(checkpoints, tmp_path):
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        M.from_pretrained(tmp_path / "nowhere")
+    tmp_path.joinpath("empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"has no config\.json"):
+        M.from_pretrained(tmp_path / "empty")
+
+    good = tmp_path / "good"
+    checkpoints.write(good, seed=7)
+    tensors = load_file(good / "model.safetensors")
+    config = json.loads((good / "config.json").read_text())
+
+    def variant(name: str, tensors=tensors, **changes) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        save_file(tensors, path / "model.safetensors")
+        (path / "config.json").write_text(json.dumps(config | changes))
+        return path
+
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"missing: model\.layers\.1\.mlp\.experts\.3\.up"):
+        M.from_pretrained(variant("missing", missing))
+    with pytest.raises(CheckpointError, match=r"shape: model\.layers\.0\.mlp\.gate_proj\.weight"):
+        M.from_pretrained(variant("shape", intermediate_size=100))
+    with pytest.raises(ValueError, match="only sigmoid"):
+        M.from_pretrained(variant("softmax", scoring_func="softmax"))
+    with pytest.raises(ValueError, match="not divisible by n_group"):
+        M.from_pretrained(variant("groups", n_group=3))
+    fp8 = dict(tensors)
+    fp8["model.layers.0.mlp.up_proj.weight"] = fp8["model.layers.0.mlp.up_proj.weight"].to(
+        torch.float8_e4m3fn
+    )
+    with pytest.raises(CheckpointError, match=r"is FP8 but .*up_proj\.weight_scale_inv"):
+        M.from_pretrained(variant("fp8", fp8))
+    sharded = variant("sharded")
+    index = {"weight_map": dict.fromkeys(tensors, "model-00002-of-00002.safetensors")}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"names model-00002-of-00002\.safetensors"):
+        M.from_pretrained(sharded)
+
+
+def test_generation_arguments_are_checked():
+    model = M.from_preset("tiny")
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate([[]])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
+        model.generate([[600]])
+    for bad, match in (
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+
+
+def test_expert_parallel_over_two_gloo_ranks_matches_one_process(checkpoints, tmp_path):
+    checkpoints.write(tmp_path, seed=8)
+    scenarios = str(Path(__file__).with_name("model_scenarios.py"))
+    run_ranks(2, scenarios, "expert_parallel_matches_one_process", str(tmp_path), limit=300)
