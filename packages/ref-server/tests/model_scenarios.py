@@ -8,26 +8,30 @@ import ref_server.model as M
 from ref_server.model import StepBatch
 
 
-def expert_parallel_matches_one_process(rank: int, world: int, group, path: str) -> None:
+def expert_parallel_matches_one_process(
+    rank: int, world: int, group, path: str, device: str = "cpu"
+) -> None:
     """Each rank holds 1/world of the routed experts and runs its own tokens (data-parallel
     attention); its logits equal one process holding every expert, within bf16 rounding (the
-    two sum expert outputs in different orders)."""
-    ep = M.from_pretrained(path, dtype=torch.bfloat16, group=group)
-    one = M.from_pretrained(path, dtype=torch.bfloat16)
+    two sum expert outputs in different orders). On CUDA, ep_comm's cuda backend moves them."""
+    ep = M.from_pretrained(path, dtype=torch.bfloat16, device=device, group=group)
+    one = M.from_pretrained(path, dtype=torch.bfloat16, device=device)
+    if device == "cuda":
+        assert ep.layers[1].mlp.expert_parallel.buffer.backend == "cuda"
     assert len(ep.layers[1].mlp.experts) == 8 // world and ep.layers[1].mlp.first_expert == rank * (
         8 // world
     )
     g = torch.Generator().manual_seed(100 + rank)
-    ids = torch.randint(2, 300, (2, 11 + rank), generator=g)  # different shapes per rank
+    ids = torch.randint(2, 300, (2, 11 + rank), generator=g).to(device)  # shapes differ by rank
     torch.testing.assert_close(ep(ids), one(ids), rtol=3e-2, atol=3e-2)
 
     # a cached prefill and one decode step, all ranks in step
     prompt = ids[0].tolist()
-    caches = [M.PagedKVCache(m.args, 1, 64) for m in (ep, one)]
+    caches = [M.PagedKVCache(m.args, 1, 64, device=device) for m in (ep, one)]
     table = torch.zeros(1, 1, dtype=torch.int32)
     steps = [
-        StepBatch(torch.tensor(prompt), [len(prompt)], [len(prompt)], table),
-        StepBatch(torch.tensor([7]), [1], [len(prompt) + 1], table),
+        StepBatch(torch.tensor(prompt, device=device), [len(prompt)], [len(prompt)], table),
+        StepBatch(torch.tensor([7], device=device), [1], [len(prompt) + 1], table),
     ]
     for batch in steps:
         got, want = (m.forward_step(batch, c) for m, c in zip((ep, one), caches, strict=True))

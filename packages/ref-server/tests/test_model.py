@@ -117,8 +117,11 @@ def test_generation_is_deterministic_and_seeded():
 
 def test_presets_and_their_sizes():
     assert M.PRESETS["v3"].num_parameters() == pytest.approx(671e9, rel=0.01)
+    assert M.PRESETS["v3"].num_parameters(active=True) == pytest.approx(37e9, rel=0.02)
     assert M.PRESETS["v2-lite"].num_parameters() == pytest.approx(15.7e9, rel=0.01)
     tiny = M.from_preset("tiny", seed=0)
+    counted = sum(t.numel() for t in [*tiny.parameters(), *tiny.buffers()])
+    assert counted == tiny.args.num_parameters()
     assert tiny(torch.tensor([[3, 4, 5]])).shape == (1, 3, tiny.args.vocab_size)
     again = M.from_preset("tiny", seed=0)
     assert all(

@@ -45,21 +45,26 @@ def _build(args: ModelArgs, dtype, device, group: dist.ProcessGroup | None) -> M
     return model
 
 
-def from_preset(
-    name: str,
+def from_args(
+    args: ModelArgs,
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
 ) -> Model:
-    """A preset ("tiny", "v2-lite", "v3") with random weights drawn from `seed`."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    model = _build(PRESETS[name], dtype, device, group)
+    """A model of these hyper-parameters with random weights drawn from `seed`."""
+    model = _build(args, dtype, device, group)
     init_random(model, seed)
     model.tokenizer = load_tokenizer(model.args)
     return model
+
+
+def from_preset(name: str, **kwargs) -> Model:
+    """A preset ("tiny", "v2-lite", "v3") with random weights; keywords as `from_args`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return from_args(PRESETS[name], **kwargs)
 
 
 def from_pretrained(

@@ -97,21 +97,30 @@ class ModelArgs:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
-    def num_parameters(self) -> int:
+    def attention_parameters(self) -> int:
+        """One layer's MLA projections and norms."""
         h, heads = self.hidden_size, self.num_attention_heads
         q = h * heads * self.qk_head_dim
         if self.q_lora_rank:
-            q = h * self.q_lora_rank + self.q_lora_rank * heads * self.qk_head_dim
-        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            q = h * self.q_lora_rank + self.q_lora_rank * (heads * self.qk_head_dim + 1)
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
-        attention = q + kv + heads * self.v_head_dim * h
-        dense = 3 * h * self.intermediate_size
-        experts = self.n_routed_experts + self.n_shared_experts
-        moe = 3 * h * self.moe_intermediate_size * experts + self.n_routed_experts * h
+        return q + kv + heads * self.v_head_dim * h + 2 * h
+
+    def expert_parameters(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters, or those one token uses (`active`: its routed and shared experts)."""
+        h = self.hidden_size
+        experts = self.num_experts_per_tok if active else self.n_routed_experts
+        moe = (experts + self.n_shared_experts) * self.expert_parameters()
+        moe += self.n_routed_experts * (h + 1)  # the gate and its bias
         moe_layers = self.num_hidden_layers - self.first_k_dense_replace
-        layers = self.num_hidden_layers * attention + self.first_k_dense_replace * dense
+        dense = self.first_k_dense_replace * 3 * h * self.intermediate_size
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return layers + moe_layers * moe + embeddings
+        layers = self.num_hidden_layers * self.attention_parameters() + dense + moe_layers * moe
+        return layers + embeddings + h
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArgs:

@@ -115,7 +115,8 @@ def load_weights(model: Transformer, path: Path) -> None:
 
 
 def init_random(model: Transformer, seed: int) -> None:
-    """Weights from `seed`: N(0, 1/fan_in) for projections, N(0, 1) for embeddings, ones for
+    """Weights from `seed`: N(0, 1/fan_in) for projections (divided by sqrt(2 x layers) for
+    those that write into the residual stream), N(0, 1) for embeddings, ones for
     norms, zeros for the routing bias. Each tensor draws from its own generator on its device,
     seeded from (seed, its checkpoint name): ranks on one kind of device agree."""
     with torch.no_grad():
@@ -128,6 +129,8 @@ def init_random(model: Transformer, seed: int) -> None:
                 tensor.zero_()
             else:
                 std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    std /= (2 * model.args.num_hidden_layers) ** 0.5  # a calm residual stream
                 tensor.normal_(0.0, std, generator=generator)
 
 

@@ -6,14 +6,16 @@ from pathlib import Path
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte (ids 0-255 shifted past the special tokens' ids)."""
+    """One token per UTF-8 byte: 256 consecutive ids clear of the special tokens' ids."""
 
     def __init__(self, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None) -> None:
         specials = [t for t in (bos_token_id, eos_token_id) if t is not None]
-        self.offset = max(specials, default=-1) + 1
-        if self.offset + 256 > vocab_size:
-            needed = self.offset + 256
-            raise ValueError(f"a byte tokenizer needs {needed} ids, the vocab has {vocab_size}")
+        for offset in (0, max(specials, default=-1) + 1):
+            if offset + 256 <= vocab_size and not any(offset <= t < offset + 256 for t in specials):
+                break
+        else:
+            raise ValueError(f"no room for 256 byte ids beside {specials} in {vocab_size} ids")
+        self.offset = offset
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
 
     def encode(self, text: str) -> list[int]:
