@@ -93,10 +93,25 @@ def test_fp8_block_scaled_checkpoint_loads_as_its_dequantized_weights(checkpoint
     ):
         assert torch.equal(a, b), name
     original = dict(M.from_pretrained(tmp_path / "bf16", dtype=torch.float32).named_parameters())
-    name = "layers.1.mlp.experts.2.down_proj.weight"
-    weight, rounded = original[name], dict(fp8.named_parameters())[name]
+    name = "layers.1.mlp.experts.down_proj"  # stacked: expert 2 is [2]
+    weight, rounded = original[name][2], dict(fp8.named_parameters())[name][2]
     assert not torch.equal(weight, rounded)  # the FP8 weights really were rounded,
     assert (weight - rounded).abs().max() <= weight.abs().max() * 2**-4  # to e4m3 precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_expert_gemms_match_the_expert_loop(dtype):
+    """The GPU's grouped path (torch._grouped_mm over rows sorted by expert) against the loop,
+    here on the CPU: some experts get no rows, some rows route to another rank (-1)."""
+    experts = M.from_preset("tiny", seed=2, dtype=dtype).layers[1].mlp.experts
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 64, generator=g).to(dtype)
+    ids = torch.randint(-1, 6, (37, 2), generator=g)  # experts 6 and 7 idle
+    weights = torch.rand(37, 2, generator=g)
+    looped, grouped = experts.looped(x, ids, weights), experts.grouped(x, ids, weights)
+    assert looped[(ids < 0).all(dim=1)].abs().max() == 0
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped, looped, rtol=tolerance, atol=tolerance)
 
 
 def test_generation_is_deterministic_and_seeded():

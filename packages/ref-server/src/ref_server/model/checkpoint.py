@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -57,13 +58,24 @@ def weight_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def checkpoint_name(name: str, model: Transformer) -> str:
-    """Our parameter name to the checkpoint's (routed experts: local index to global)."""
-    parts = name.split(".")
-    if parts[0] == "layers" and parts[3:5][:1] == ["experts"]:
+def checkpoint_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, the model tensor or the view of it that the checkpoint tensor fills)
+    for every tensor of the model. Stacked routed experts are one view per expert and
+    projection, named by the expert's global index."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        parts = name.split(".")
+        if parts[2:4] != ["mlp", "experts"]:
+            yield (name if name.startswith("lm_head.") else "model." + name), tensor
+            continue
         moe = model.layers[int(parts[1])].mlp
-        parts[4] = str(moe.first_expert + int(parts[4]))
-    return name if name.startswith("lm_head.") else "model." + ".".join(parts)
+        for e in range(tensor.shape[0]):
+            prefix = f"model.layers.{parts[1]}.mlp.experts.{moe.first_expert + e}."
+            if parts[4] == "gate_up_proj":
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield prefix + "gate_proj.weight", gate
+                yield prefix + "up_proj.weight", up
+            else:
+                yield prefix + "down_proj.weight", tensor[e]
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -88,8 +100,7 @@ def load_weights(model: Transformer, path: Path) -> None:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
             return handles[file].get_tensor(name)
 
-        for name, target in [*model.named_parameters(), *model.named_buffers()]:
-            source = checkpoint_name(name, model)
+        for source, target in checkpoint_tensors(model):
             if source not in files:
                 missing.append(source)
                 continue
@@ -120,10 +131,9 @@ def init_random(model: Transformer, seed: int) -> None:
     norms, zeros for the routing bias. Each tensor draws from its own generator on its device,
     seeded from (seed, its checkpoint name): ranks on one kind of device agree."""
     with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            source = checkpoint_name(name, model)
-            generator = torch.Generator(tensor.device).manual_seed(hash_seed(seed, source))
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        for name, tensor in checkpoint_tensors(model):
+            generator = torch.Generator(tensor.device).manual_seed(hash_seed(seed, name))
+            if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
             elif name.endswith("e_score_correction_bias"):
                 tensor.zero_()

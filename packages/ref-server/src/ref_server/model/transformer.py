@@ -231,6 +231,46 @@ class Gate(nn.Module):
         return weights * a.routed_scaling_factor, ids
 
 
+class Experts(nn.Module):
+    """This rank's routed experts, stacked (SwiGLU MLPs): gate_up_proj `[e, 2 * inter, hidden]`
+    (each expert's gate_proj rows, then its up_proj rows), down_proj `[e, hidden, inter]`."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: on another rank), weights `[n, k]`:
+        each token's weighted sum of its experts' outputs. Grouped GEMMs for bf16 on the GPU."""
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            return self.grouped(x, ids, weights)
+        return self.looped(x, ids, weights)
+
+    def looped(self, x, ids, weights) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids[ids >= 0].unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+    def grouped(self, x, ids, weights) -> torch.Tensor:
+        """The same with one grouped GEMM per projection over the rows sorted by expert."""
+        token, slot = (ids >= 0).nonzero(as_tuple=True)
+        expert = ids[token, slot]
+        order = expert.argsort(stable=True)
+        token, slot, expert = token[order], slot[order], expert[order]
+        counts = torch.bincount(expert, minlength=self.gate_up_proj.shape[0])
+        offsets = counts.cumsum(0).to(torch.int32)
+        hidden = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = hidden.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        y = y * weights[token, slot, None]
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
 class MoE(nn.Module):
     """Routed experts (this rank's share of them) plus shared experts. With `expert_parallel`,
     tokens travel to the ranks holding their experts through ep_comm and back."""
@@ -240,32 +280,22 @@ class MoE(nn.Module):
         self.args = args
         self.expert_parallel = expert_parallel
         rank, size = (0, 1) if expert_parallel is None else expert_parallel.rank_and_size
-        self.experts_per_rank = args.n_routed_experts // size
-        self.first_expert = rank * self.experts_per_rank
+        self.first_expert = rank * (args.n_routed_experts // size)
         self.gate = Gate(args)
-        self.experts = nn.ModuleList(
-            MLP(args.hidden_size, args.moe_intermediate_size) for _ in range(self.experts_per_rank)
+        self.experts = Experts(
+            args.n_routed_experts // size, args.hidden_size, args.moe_intermediate_size
         )
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = MLP(args.hidden_size, shared) if args.n_shared_experts else None
-
-    def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: elsewhere); the weighted sums."""
-        out = torch.zeros_like(x)
-        for e in ids[ids >= 0].unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
-        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         if self.expert_parallel is None:
-            routed = self.run_experts(x, ids, weights)
+            routed = self.experts(x, ids, weights)
         else:
-            routed = self.expert_parallel.exchange(x, ids, weights, self.run_experts)
+            routed = self.expert_parallel.exchange(x, ids, weights, self.experts)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(x)
         return routed.view(shape)
