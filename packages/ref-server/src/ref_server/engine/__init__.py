@@ -1,0 +1,20 @@
+"""The engine of one instance: scheduler and block manager (no torch), model runner."""
+
+from ref_server.engine.block_manager import BlockManager, block_hash, prefix_hashes
+from ref_server.engine.engine import Engine
+from ref_server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig, Step
+from ref_server.engine.sequence import FinishReason, Sequence, Status
+
+__all__ = [
+    "BlockManager",
+    "Engine",
+    "FinishReason",
+    "QueueFull",
+    "Scheduler",
+    "SchedulerConfig",
+    "Sequence",
+    "Status",
+    "Step",
+    "block_hash",
+    "prefix_hashes",
+]

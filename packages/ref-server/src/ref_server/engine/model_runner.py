@@ -1,0 +1,52 @@
+"""All device work of an engine: the paged cache, the model's forward step, sampling.
+
+`run(step)` is the seam where two-batch overlap (overlap-sched) will split a step into two
+microbatches; today it runs the step as one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ref_server.engine.scheduler import Step
+from ref_server.engine.sequence import Sequence
+from ref_server.model.cache import PagedKVCache, StepBatch
+from ref_server.model.generate import sample
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int, cache_dtype=torch.bfloat16):
+        self.model = model
+        self.device = model.embed_tokens.weight.device
+        self.cache = PagedKVCache(model.args, num_blocks, block_size, cache_dtype, self.device)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _batch(self, step: Step) -> StepBatch:
+        ids, context = [], []
+        for seq, chunk in zip(step.seqs, step.chunks, strict=True):
+            ids += seq.tokens[seq.num_computed : seq.num_computed + chunk]
+            context.append(seq.num_computed + chunk)
+        width = max(len(seq.block_table) for seq in step.seqs)
+        table = torch.zeros(len(step.seqs), width, dtype=torch.int32)
+        for row, seq in enumerate(step.seqs):
+            table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        return StepBatch(torch.tensor(ids, device=self.device), list(step.chunks), context, table)
+
+    @torch.no_grad()
+    def run(self, step: Step) -> list[int | None]:
+        """The token sampled for each sequence whose chunk reaches its last token (None for
+        chunks that end inside the tokens still to compute)."""
+        logits = self.model.forward_step(self._batch(step), self.cache)
+        sampled = []
+        for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks, strict=True)):
+            done = seq.num_computed + chunk == len(seq)
+            sampled.append(sample(logits[row], seq.params, self._generator(seq)) if done else None)
+        return sampled
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.request_id not in self.generators:
+            self.generators[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
+        return self.generators[seq.request_id]
+
+    def release(self, seq: Sequence) -> None:
+        self.generators.pop(seq.request_id, None)

@@ -1,0 +1,151 @@
+"""Which sequences run in the next step, and how many of their tokens. No torch.
+
+Continuous batching: sequences join and leave between steps. A step is either a prefill step
+(chunks of sequences that have more than one token to compute, within a token budget; a long
+prompt is spread over several steps: chunked prefill) or a decode step (one token for every
+running sequence). Prefill goes first. When a decode step runs out of pages, the most recently
+admitted sequence is preempted: its pages are freed and it waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ref_server.engine.block_manager import BlockManager
+from ref_server.engine.sequence import FinishReason, Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 64
+    max_num_seqs: int = 256  # running at once
+    max_num_batched_tokens: int = 8192  # tokens per step
+    max_model_len: int = 4096  # prompt + completion
+    max_waiting: int = 1024  # queued requests beyond which add() refuses
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len > self.num_blocks * self.block_size:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the cache "
+                f"({self.num_blocks} blocks x {self.block_size} tokens)"
+            )
+
+
+class QueueFull(RuntimeError):
+    """More waiting requests than max_waiting."""
+
+
+@dataclass
+class Step:
+    """What the model runs: each sequence with the number of its tokens to compute now."""
+
+    seqs: list[Sequence]
+    chunks: list[int]
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        total = len(seq.prompt) + seq.params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
+                f"the context limit of {self.config.max_model_len}"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting already")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a sequence now and free its pages; None if it is unknown or finished."""
+        for queue in (self.running, self.waiting):
+            for seq in list(queue):
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.deallocate(seq)
+
+    def schedule(self) -> Step | None:
+        return self._prefill() or self._decode()
+
+    def _prefill(self) -> Step | None:
+        budget = self.config.max_num_batched_tokens
+        seqs, chunks = [], []
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and budget > 0:
+                seqs.append(seq)
+                chunks.append(min(seq.num_uncomputed, budget))
+                budget -= chunks[-1]
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            chunks.append(min(seq.num_uncomputed, budget))
+            budget -= chunks[-1]
+        return Step(seqs, chunks, is_prefill=True) if seqs else None
+
+    def _decode(self) -> Step | None:
+        seqs = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted for an earlier one
+                continue
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append(seq)
+                seqs.append(seq)
+        return Step(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.blocks.deallocate(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def advance(self, step: Step, sampled: list[int | None]) -> list[Sequence]:
+        """After the model ran `step`: record computed tokens and each finished chunk's sampled
+        token (None for chunks that end inside a prompt); returns the sequences that got one."""
+        updated = []
+        for seq, chunk, token in zip(step.seqs, step.chunks, sampled, strict=True):
+            seq.num_computed += chunk
+            self.blocks.register_computed(seq)
+            if token is None:
+                continue
+            seq.tokens.append(token)
+            updated.append(seq)
+            if token in seq.eos_ids or token in seq.params.stop_token_ids:
+                self.finish(seq, FinishReason.STOP)
+            elif len(seq.completion) >= seq.params.max_tokens:
+                self.finish(seq, FinishReason.LENGTH)
+        return updated

@@ -1,0 +1,61 @@
+"""One request inside an engine: its tokens, its pages, how far it has been computed."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from ref_server.model.generate import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos or a stop token
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"seq-{next(_ids)}")
+    tokens: list[int] = field(init=False)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.tokens = list(self.prompt)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def completion(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is not in the cache yet: 1 while decoding (the newest token), more
+        while (re)filling, e.g. the prompt, or everything after a preemption."""
+        return len(self.tokens) - self.num_computed
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-len(self.tokens) // block_size)
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.tokens[index * block_size : (index + 1) * block_size]
