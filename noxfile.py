@@ -103,8 +103,21 @@ def build(session: nox.Session, package: str) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The project's main job. Until the server exists: the day-6 economics report."""
+    """The project's main job: the disaggregated deployment on loopback (router, a prefill and
+    a decode instance as processes, the tiny model), a few requests, throughput, economics."""
     session.install(
         CPU_TORCH, *(str(package_dir(name)) for name in with_local_dependencies("ref-server"))
     )
-    session.run("ref-server", "economics", *session.posargs)
+    session.run("ref-server", "demo", *session.posargs)
+
+
+@nox.session
+def protos(session: nox.Session) -> None:
+    """Regenerate ref-server's gRPC code from packages/ref-server/proto."""
+    session.install("grpcio-tools==1.66.2")
+    package = package_dir("ref-server")
+    session.run(
+        "python", "-m", "grpc_tools.protoc", f"-I{package / 'proto'}",
+        f"--python_out={package / 'src'}", f"--grpc_python_out={package / 'src'}",
+        f"--pyi_out={package / 'src'}", str(package / "proto/ref_server/v1/serving.proto"),
+    )  # fmt: skip

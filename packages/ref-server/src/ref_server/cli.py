@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except economics.EconomicsError as error:
+    except (economics.EconomicsError, ValueError, RuntimeError, OSError) as error:
         print(f"ref-server {args.command}: error: {error}", file=sys.stderr)
         return 2
 
@@ -50,7 +50,85 @@ def _parser() -> argparse.ArgumentParser:
             help=field.metadata["help"],
         )
     report.set_defaults(run=_economics)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the router, a prefill or decode instance, or all three (--role all)",
+        description="Values: ServeConfig's defaults, then the TOML file, then flags.",
+    )
+    _serve_flags(serve)
+    serve.set_defaults(run=_serve)
+
+    demo = commands.add_parser(
+        "demo",
+        help="the whole deployment on loopback: a few requests, throughput and economics",
+    )
+    _serve_flags(demo)
+    demo.add_argument("--requests", type=int, default=8, help="concurrent requests to send")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.set_defaults(run=_demo)
     return parser
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    from ref_server.services.deployment import ServeConfig
+
+    parser.add_argument("--config", metavar="FILE", help="TOML file of ServeConfig values")
+    for f in dataclasses.fields(ServeConfig):
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        extra = {"choices": ["router", "prefill", "decode", "all"]} if f.name == "role" else {}
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, **extra)
+
+
+def _serve_config(args: argparse.Namespace):
+    from ref_server.services.deployment import ServeConfig, read_config_file
+
+    values = read_config_file(args.config) if args.config else {}
+    for f in dataclasses.fields(ServeConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = value.split(",") if f.name in ("prefill", "decode") else value
+    return ServeConfig(**values)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ref_server.services import deployment
+
+    config = _serve_config(args)
+    stop = deployment.stop_on_signals()
+    if config.role == "all":
+        running = deployment.Deployment(config)
+        print(f"ref-server: serving on {running.address} (metrics on :{config.metrics_port})")
+        stop.wait()
+        running.stop()
+    elif config.role == "router":
+        server, router, _ = deployment.start_router(config)
+        print(f"ref-server router: serving on {config.host}:{config.port}", flush=True)
+        stop.wait()
+        router.stop.set()
+        server.stop(grace=2).wait()
+    else:
+        server, loop = deployment.start_instance(config)
+        print(f"ref-server {config.role}: serving on {config.host}:{config.port}", flush=True)
+        stop.wait()
+        server.stop(grace=2).wait()
+        loop.stop()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ref_server.services.demo import run_demo
+
+    config = _serve_config(args)
+    if args.port is None:
+        from ref_server.services.deployment import free_port
+
+        config = dataclasses.replace(config, port=free_port(), metrics_port=free_port())
+    measured = run_demo(config, args.requests, args.max_tokens, Console())
+    inputs = economics.build_inputs(DEFAULT_PRESET, measured)
+    title = f"{DEFAULT_PRESET} with the throughput measured here"
+    Console().print(_table(title, inputs, economics.evaluate(inputs)))
+    return 0
 
 
 def _economics(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from ref_server.engine.scheduler import Step
-from ref_server.engine.sequence import Sequence
 from ref_server.model.cache import PagedKVCache, StepBatch
 from ref_server.model.generate import sample
 
@@ -19,7 +18,6 @@ class ModelRunner:
         self.model = model
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(model.args, num_blocks, block_size, cache_dtype, self.device)
-        self.generators: dict[str, torch.Generator] = {}
 
     def _batch(self, step: Step) -> StepBatch:
         ids, context = [], []
@@ -40,13 +38,13 @@ class ModelRunner:
         sampled = []
         for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks, strict=True)):
             done = seq.num_computed + chunk == len(seq)
-            sampled.append(sample(logits[row], seq.params, self._generator(seq)) if done else None)
+            sampled.append(sample(logits[row], seq.params, len(seq)) if done else None)
         return sampled
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        if seq.request_id not in self.generators:
-            self.generators[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
-        return self.generators[seq.request_id]
+    def read_page(self, block: int) -> torch.Tensor:
+        """One page of every layer, `[layers, page_size, 576]` in the cache dtype (CPU)."""
+        return torch.stack([layer[block, :, 0] for layer in self.cache.layers]).cpu()
 
-    def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.request_id, None)
+    def write_page(self, block: int, data: torch.Tensor) -> None:
+        for layer, rows in zip(self.cache.layers, data, strict=True):
+            layer[block, :, 0] = rows.to(layer.device)

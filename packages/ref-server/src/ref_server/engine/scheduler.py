@@ -55,15 +55,19 @@ class Scheduler:
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}  # finished, pages kept for a transfer
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def check_length(self, seq: Sequence) -> None:
         total = len(seq.prompt) + seq.params.max_tokens
         if total > self.config.max_model_len:
             raise ValueError(
                 f"prompt ({len(seq.prompt)} tokens) + max_tokens ({seq.params.max_tokens}) exceeds "
                 f"the context limit of {self.config.max_model_len}"
             )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_length(seq)
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are waiting already")
         self.waiting.append(seq)
@@ -85,7 +89,29 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         if seq in self.running:
             self.running.remove(seq)
-        self.blocks.deallocate(seq)
+        if seq.hold_pages and reason is not FinishReason.ABORT:
+            self.held[seq.request_id] = seq
+        else:
+            self.blocks.deallocate(seq)
+
+    def release(self, request_id: str) -> bool:
+        """Free a held sequence's pages; False if none is held under that id."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.blocks.deallocate(seq)
+        return seq is not None
+
+    def add_computed(self, seq: Sequence, computed: int) -> list[int]:
+        """Admit a sequence whose first `computed` tokens' KV arrives from elsewhere (decode
+        role): allocate its pages now, sharing cached prefix pages; returns the indices of its
+        pages the caller must fill. Raises MemoryError when the pages are not free."""
+        self.blocks.allocate(seq)
+        first = seq.num_cached // self.config.block_size
+        seq.num_computed = computed
+        self.blocks.register_computed(seq)  # filled by the caller before any step reads them
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return list(range(first, -(-computed // self.config.block_size)))
 
     def schedule(self) -> Step | None:
         return self._prefill() or self._decode()

@@ -35,6 +35,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
     eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids
+    hold_pages: bool = False  # keep the pages after finishing, until released (prefill role)
 
     def __post_init__(self) -> None:
         if not self.prompt:

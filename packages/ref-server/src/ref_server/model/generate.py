@@ -2,7 +2,8 @@
 
 Each sequence gets its own contiguous pages of a fresh paged cache; all prompts are prefilled
 in one step, then every step decodes one token for each unfinished sequence (absorbed MLA
-through mla_kernels). Sampling is seeded: the same call gives the same tokens.
+through mla_kernels). Sampling is seeded by (seed, position): the same request gives the same
+tokens here and in the server.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from `[vocab]` float32 logits."""
+def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token at `position` of a sequence from `[vocab]` float32 logits. The draw depends on
+    (seed, position) only, so every way of running a request (one process, an engine, prefill
+    and decode in different processes) samples the same tokens."""
     if params.temperature == 0:
         return int(logits.argmax())
+    generator = torch.Generator().manual_seed((params.seed * 1_000_003 + position) % 2**63)
     logits = logits.float().cpu() / params.temperature
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
@@ -75,7 +79,6 @@ def generate(
     for s, n in enumerate(pages):
         table[s, :n] = torch.arange(first[s], first[s] + n)
     stops = set(params.stop_token_ids) | ({args.eos_token_id} - {None})
-    generators = [torch.Generator().manual_seed(params.seed + s) for s in range(len(prompts))]
     outputs = [[] for _ in prompts]
     logits_out = [[] for _ in prompts]
     lengths = [len(p) for p in prompts]
@@ -91,7 +94,7 @@ def generate(
         logits = model.forward_step(batch, cache)
         still = []
         for row, s in enumerate(active):
-            token = sample(logits[row], params, generators[s])
+            token = sample(logits[row], params, lengths[s])
             outputs[s].append(token)
             if return_logits:
                 logits_out[s].append(logits[row].cpu())

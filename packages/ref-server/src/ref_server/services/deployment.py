@@ -1,0 +1,269 @@
+"""Starting the pieces: an instance (prefill or decode), the router, or all three at once.
+
+`ServeConfig` holds every setting (TOML file, then flags). `--role all` starts a prefill and a
+decode instance as child processes, waits until their health services say SERVING, then runs
+the router in this process; stopping it (Ctrl-C, SIGTERM) stops the children too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import ref_server.model as M
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.model.checkpoint import read_config
+from ref_server.services.engine_loop import EngineLoop
+from ref_server.services.instance import DecodeService, PrefillService
+from ref_server.services.metrics import Metrics
+from ref_server.services.router import ModelFacts, RouterService
+from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
+
+ROLES = ("router", "prefill", "decode", "all")
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass
+class ServeConfig:
+    role: str = "all"
+    host: str = "127.0.0.1"
+    port: int = 50051  # the router's (or this instance's) gRPC port
+    metrics_port: int = 9464  # the router's Prometheus endpoint
+    preset: str = "tiny"  # random weights of a preset, unless `model` names a checkpoint
+    model: str | None = None
+    seed: int = 0
+    device: str = "auto"  # cuda when available
+    num_blocks: int = 512
+    block_size: int = 64
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    max_waiting: int = 1024
+    hold_seconds: float = 60.0  # how long a prefill instance keeps KV nobody pulls
+    prefill_instances: int = 1  # started by --role all
+    decode_instances: int = 1
+    prefill: list[str] = field(default_factory=list)  # the router's instances
+    decode: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_waiting=self.max_waiting,
+        )
+
+    def load_model(self) -> M.Model:
+        device = self.torch_device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.model:
+            return M.from_pretrained(self.model, dtype=dtype, device=device)
+        return M.from_preset(self.preset, seed=self.seed, dtype=dtype, device=device)
+
+    def model_args(self) -> M.ModelArgs:
+        if self.model:
+            return read_config(Path(self.model))
+        if self.preset not in M.PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; presets: {', '.join(M.PRESETS)}")
+        return M.PRESETS[self.preset]
+
+
+def read_config_file(path: str | Path) -> dict:
+    """ServeConfig values from a TOML file (flat keys, the field names)."""
+    path = Path(path)
+    try:
+        values = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from None
+    known = {f.name for f in dataclasses.fields(ServeConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return values
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _server(config: ServeConfig, services: list[str]) -> tuple[grpc.Server, health.HealthServicer]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_num_seqs + 16),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    health_service = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in services]
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server, health_service
+
+
+def start_instance(config: ServeConfig) -> tuple[grpc.Server, EngineLoop]:
+    """A prefill or decode instance, SERVING once its model is loaded."""
+    engine = Engine(config.load_model(), config.scheduler())
+    loop = EngineLoop(engine, config.hold_seconds)
+    if config.role == "prefill":
+        server, health_service = _server(config, ["Prefill", "KvTransfer"])
+        service = PrefillService(loop, config.max_model_len)
+        rpc.add_PrefillServicer_to_server(service, server)
+        rpc.add_KvTransferServicer_to_server(service, server)
+    else:
+        server, health_service = _server(config, ["Decode"])
+        rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len), server)
+    server.start()
+    health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, loop
+
+
+def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
+    args = config.model_args()
+    tokenizer = M.load_tokenizer(args, config.model)
+    page_bytes = (
+        args.num_hidden_layers * config.block_size * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
+    )
+    facts = ModelFacts(
+        name=config.model or config.preset,
+        vocab_size=args.vocab_size,
+        max_model_len=config.max_model_len,
+        num_layers=args.num_hidden_layers,
+        num_parameters=args.num_parameters(),
+        eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
+        page_size=config.block_size,
+        page_bytes=page_bytes,
+    )
+    return facts, tokenizer
+
+
+def start_router(config: ServeConfig, metrics: Metrics | None = None):
+    """The router over config.prefill / config.decode; returns (server, service, health)."""
+    facts, tokenizer = model_facts(config)
+    metrics = metrics or Metrics()
+    service = RouterService(config.prefill, config.decode, facts, tokenizer, metrics)
+    server, health_service = _server(config, ["Router"])
+    rpc.add_RouterServicer_to_server(service, server)
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+    server.start()
+    health_service.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, service, health_service
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Until the health service at `address` says SERVING; RuntimeError after `timeout` or if
+    `process` exits first."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"the process for {address} exited with {process.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"{address} was not SERVING within {timeout:g} s")
+
+
+def instance_command(config: ServeConfig, role: str, port: int) -> list[str]:
+    """The command line that starts one instance with this config's model and engine."""
+    command = [sys.executable, "-m", "ref_server", "serve", "--role", role, "--port", str(port)]
+    for f in dataclasses.fields(ServeConfig):
+        skip = ("role", "port", "metrics_port", "prefill", "decode", "host")
+        if f.name in skip or f.name.endswith("_instances"):
+            continue
+        value = getattr(config, f.name)
+        if value is not None:
+            command += ["--" + f.name.replace("_", "-"), str(value)]
+    return command
+
+
+class Deployment:
+    """Prefill and decode instances as child processes, and the router in this process."""
+
+    def __init__(self, config: ServeConfig, startup_timeout: float = 600.0) -> None:
+        self.config = config
+        self.children: dict[str, subprocess.Popen] = {}  # by address
+        roles = ["prefill"] * config.prefill_instances + ["decode"] * config.decode_instances
+        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        try:
+            for role in roles:
+                port = free_port()
+                address = f"127.0.0.1:{port}"
+                self.children[address] = subprocess.Popen(instance_command(config, role, port))
+                addresses[role].append(address)
+            for address, child in self.children.items():
+                wait_serving(address, startup_timeout, child)
+            router = dataclasses.replace(config, role="router", **addresses)
+            self.server, self.router, self.health = start_router(router)
+        except BaseException:
+            self.stop()
+            raise
+        self.address = f"{config.host}:{config.port}"
+
+    def stop(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.health.enter_graceful_shutdown()
+            self.router.stop.set()
+            self.server.stop(grace=2).wait()
+        for child in self.children.values():
+            if child.poll() is None:
+                child.terminate()
+        for child in self.children.values():
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()

@@ -1,0 +1,173 @@
+"""The internal services of an instance: Prefill and KvTransfer (prefill role), Decode (decode
+role). Both roles run one engine through an EngineLoop."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+
+import grpc
+
+from ref_server.engine import FinishReason, QueueFull
+from ref_server.services.engine_loop import EngineLoop
+from ref_server.services.messages import (
+    FINISH,
+    BadRequest,
+    page_message,
+    page_tensor,
+    sampling_params,
+)
+from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
+
+TRANSFER_TIMEOUT = 60.0
+
+
+def _load(loop: EngineLoop) -> pb.WorkerLoad:
+    return pb.WorkerLoad(**loop.call(lambda _: loop.load()))
+
+
+def _wait(events: queue.Queue, context: grpc.ServicerContext):
+    """The next event, without outliving the RPC's deadline."""
+    remaining = context.time_remaining()
+    try:
+        return events.get(timeout=None if remaining is None else max(remaining, 0.0))
+    except queue.Empty:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the engine")
+
+
+class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
+    def __init__(self, loop: EngineLoop, max_tokens_limit: int) -> None:
+        self.loop = loop
+        self.max_tokens_limit = max_tokens_limit
+
+    def Prefill(self, request, context):
+        try:
+            params = sampling_params(request.sampling, self.max_tokens_limit)
+            first = dataclasses.replace(params, max_tokens=1)
+            prompt = list(request.token_ids)
+            seqs = []
+
+            def admit(engine):
+                seqs.append(engine.add(prompt, first, request.request_id, hold_pages=True))
+                return seqs[-1]
+
+            events = self.loop.open(request.request_id, admit)
+        except QueueFull as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except (BadRequest, ValueError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        context.add_callback(lambda: self.loop.cancel(request.request_id) or None)
+        token, finish = None, None
+        while finish is None:
+            kind, value = _wait(events, context)
+            if kind == "error":
+                context.abort(grpc.StatusCode.INTERNAL, value)
+            token, finish = (value, None) if kind == "token" else (token, value)
+        if finish is FinishReason.ABORT:
+            context.abort(grpc.StatusCode.CANCELLED, "aborted")
+        seq = seqs[0]
+        self.loop.hold(request.request_id)
+        ends = token in seq.eos_ids or token in params.stop_token_ids or params.max_tokens == 1
+        pages = -(-seq.num_computed // self.loop.engine.scheduler.config.block_size)
+        return pb.PrefillResponse(
+            first_token=token,
+            cached_tokens=seq.num_cached,
+            kv_handle=request.request_id,
+            num_pages=pages,
+            finished=ends,
+        )
+
+    def GetLoad(self, request, context):
+        return _load(self.loop)
+
+    def PrefixMatch(self, request, context):
+        blocks = self.loop.engine.scheduler.blocks
+        matched = 0
+        for page_hash in request.page_hashes:
+            if page_hash not in blocks.block_of:
+                break
+            matched += 1
+        return pb.PrefixMatchResponse(cached_pages=matched)
+
+    def Pull(self, request, context):
+        try:
+            pages = self.loop.call(lambda engine: engine.pages(request.kv_handle))
+        except KeyError:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held under {request.kv_handle!r}")
+        for index, page in enumerate(pages):
+            yield page_message(index, page)
+
+    def Release(self, request, context):
+        self.loop.call(lambda engine: engine.release(request.kv_handle))
+        return pb.ReleaseResponse()
+
+
+class DecodeService(rpc.DecodeServicer):
+    def __init__(self, loop: EngineLoop, max_tokens_limit: int) -> None:
+        self.loop = loop
+        self.max_tokens_limit = max_tokens_limit
+        self.channels: dict[str, grpc.Channel] = {}
+        args = loop.engine.model.args
+        self.page_shape = (
+            args.num_hidden_layers,
+            loop.engine.scheduler.config.block_size,
+            args.kv_lora_rank + args.qk_rope_head_dim,
+        )
+
+    def _pull(self, request) -> list:
+        """The prompt's KV pages from the prefill instance, which then frees them."""
+        if request.prefill_address not in self.channels:
+            self.channels[request.prefill_address] = grpc.insecure_channel(request.prefill_address)
+        transfer = rpc.KvTransferStub(self.channels[request.prefill_address])
+        handle = pb.PullRequest(kv_handle=request.kv_handle)
+        try:
+            pages = [
+                page_tensor(m, self.page_shape)
+                for m in transfer.Pull(handle, timeout=TRANSFER_TIMEOUT)
+            ]
+        finally:
+            transfer.Release(
+                pb.ReleaseRequest(kv_handle=request.kv_handle), timeout=TRANSFER_TIMEOUT
+            )
+        return pages
+
+    def Decode(self, request, context):
+        try:
+            params = sampling_params(request.sampling, self.max_tokens_limit)
+        except BadRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        try:
+            pages = self._pull(request)
+        except grpc.RpcError as error:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error.details()}")
+        prompt = list(request.token_ids)
+        try:
+            events = self.loop.open(
+                request.request_id,
+                lambda engine: engine.add_prefilled(
+                    prompt, request.first_token, params, request.request_id, pages
+                ),
+            )
+        except QueueFull as error:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        context.add_callback(lambda: self.loop.cancel(request.request_id) or None)
+        while True:
+            kind, value = _wait(events, context)
+            if kind == "error":
+                context.abort(grpc.StatusCode.INTERNAL, value)
+            if kind == "token":
+                yield pb.DecodeResponse(token_ids=[value])
+            else:
+                yield pb.DecodeResponse(finish_reason=FINISH[value])
+                return
+
+    def Abort(self, request, context):
+        if not self.loop.cancel(request.request_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{request.request_id!r} is not decoding here")
+        return pb.AbortResponse()
+
+    def GetLoad(self, request, context):
+        return _load(self.loop)

@@ -1,0 +1,75 @@
+"""The router's Prometheus metrics, served over HTTP (`/metrics`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram(
+            "ref_server_time_to_first_token_seconds",
+            "request start to first token",
+            buckets=buckets,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "ref_server_time_per_output_token_seconds",
+            "mean gap between later tokens of a request",
+            buckets=buckets,
+            registry=r,
+        )
+        self.requests = Counter("ref_server_requests", "finished requests", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("ref_server_prompt_tokens", "prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "ref_server_cached_tokens", "prompt tokens from the prefix cache", registry=r
+        )
+        self.output_tokens = Counter("ref_server_output_tokens", "generated tokens", registry=r)
+        self.transfer_bytes = Counter(
+            "ref_server_kv_transfer_bytes", "KV bytes moved prefill to decode", registry=r
+        )
+        self.tokens_per_s = Gauge(
+            "ref_server_output_tokens_per_second",
+            "generated tokens/s over the last 10 s",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "ref_server_worker_waiting", "requests waiting in a worker", ["worker"], registry=r
+        )
+        self.running = Gauge(
+            "ref_server_worker_running", "requests running in a worker", ["worker"], registry=r
+        )
+        self.kv_usage = Gauge(
+            "ref_server_worker_kv_usage",
+            "share of a worker's KV pages in use",
+            ["worker"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "ref_server_worker_healthy",
+            "1 if the router routes to the worker",
+            ["worker"],
+            registry=r,
+        )
+        self._recent: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def count_output(self, tokens: int) -> None:
+        self.output_tokens.inc(tokens)
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, tokens))
+            while self._recent and self._recent[0][0] < now - 10:
+                self._recent.popleft()
+            span = max(now - self._recent[0][0], 1.0)
+            self.tokens_per_s.set(sum(n for _, n in self._recent) / span)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, addr="127.0.0.1", registry=self.registry)
