@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 from rich.console import Console
 
 from ref_server.services.client import Client, request
@@ -38,7 +39,10 @@ def run_demo(config: ServeConfig, num_requests: int, max_tokens: int, console: C
             )
             prompt = PROMPTS[i % len(PROMPTS)]
             message = request(text=prompt, max_tokens=max_tokens, temperature=0.7, seed=i)
-            results[i] = client.generate(message, timeout=600, on_chunk=shown)
+            try:
+                results[i] = client.generate(message, timeout=600, on_chunk=shown)
+            except grpc.RpcError as error:
+                results[i] = f"{error.code().name}: {error.details()}"
 
         console.print(f"[bold]request 0[/]: {PROMPTS[0]!r} ->")
         threads = [threading.Thread(target=send, args=(i,)) for i in range(num_requests)]
@@ -51,6 +55,9 @@ def run_demo(config: ServeConfig, num_requests: int, max_tokens: int, console: C
         client.close()
     finally:
         deployment.stop()
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {num_requests} demo requests failed: {failed[0]}")
     prompt_tokens = sum(r.usage.prompt_tokens for r in results)
     output_tokens = sum(r.usage.completion_tokens for r in results)
     ttft = sorted(r.first_token_s for r in results)[len(results) // 2]
