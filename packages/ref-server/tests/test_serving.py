@@ -116,6 +116,10 @@ def test_a_repeated_prefix_is_reported_and_skipped(client, reference):
         (dict(token_ids=[5], max_tokens=4, top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(token_ids=[5], max_tokens=4, top_k=-1), "top_k must be >= 0"),
         (dict(token_ids=[9999], max_tokens=4), r"token id 9999 outside \[0, 512\)"),
+        (
+            dict(text="x" * 1_100_000, max_tokens=4),
+            r"request of \d+ bytes is over the limit of 1048576",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument(client, fields, message):

@@ -59,6 +59,7 @@ class ServeConfig:
     max_model_len: int = 2048
     max_waiting: int = 1024
     hold_seconds: float = 60.0  # how long a prefill instance keeps KV nobody pulls
+    max_request_bytes: int = 1 << 20  # larger Generate requests are INVALID_ARGUMENT
     prefill_instances: int = 1  # started by --role all
     decode_instances: int = 1
     prefill: list[str] = field(default_factory=list)  # the router's instances
@@ -183,7 +184,9 @@ def start_router(config: ServeConfig, metrics: Metrics | None = None):
     """The router over config.prefill / config.decode; returns (server, service, health)."""
     facts, tokenizer = model_facts(config)
     metrics = metrics or Metrics()
-    service = RouterService(config.prefill, config.decode, facts, tokenizer, metrics)
+    service = RouterService(
+        config.prefill, config.decode, facts, tokenizer, metrics, config.max_request_bytes
+    )
     server, health_service = _server(config, ["Router"])
     rpc.add_RouterServicer_to_server(service, server)
     if config.metrics_port:

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ref_server.engine import prefix_hashes
+from ref_server.model import SamplingParams
 from ref_server.services.messages import BadRequest, sampling_params
 from ref_server.services.metrics import Metrics
 from ref_server.v1 import serving_pb2 as pb
@@ -51,6 +52,19 @@ class InFlight:
 
 
 @dataclass
+class _Job:
+    """One Generate call on its way through the router."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sampling: pb.SamplingParams
+    context: grpc.ServicerContext
+    entry: InFlight
+    stream: _Stream
+
+
+@dataclass
 class ModelFacts:
     name: str
     vocab_size: int
@@ -64,13 +78,20 @@ class ModelFacts:
 
 class RouterService(rpc.RouterServicer):
     def __init__(
-        self, prefill: list[str], decode: list[str], model: ModelFacts, tokenizer, metrics: Metrics
+        self,
+        prefill: list[str],
+        decode: list[str],
+        model: ModelFacts,
+        tokenizer,
+        metrics: Metrics,
+        max_request_bytes: int = 1 << 20,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode address")
         self.workers = [Worker("prefill", a) for a in prefill]
         self.workers += [Worker("decode", a) for a in decode]
         self.model = model
+        self.max_request_bytes = max_request_bytes
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.inflight: dict[str, InFlight] = {}
@@ -173,6 +194,11 @@ class RouterService(rpc.RouterServicer):
     def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            if request.ByteSize() > self.max_request_bytes:
+                raise BadRequest(
+                    f"request of {request.ByteSize()} bytes is over the limit of "
+                    f"{self.max_request_bytes}"
+                )
             prompt = self._prompt(request)
             params = sampling_params(request.sampling, self.model.max_model_len)
             if len(prompt) + params.max_tokens > self.model.max_model_len:
@@ -184,119 +210,126 @@ class RouterService(rpc.RouterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         with self.lock:
             if request_id in self.inflight:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"request id {request_id!r} is in flight"
-                )
-            self.inflight[request_id] = InFlight()
+                message = f"request id {request_id!r} is in flight"
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            entry = self.inflight[request_id] = InFlight()
+        stream = _Stream(self.tokenizer, request.sampling.stop)
+        job = _Job(request_id, prompt, params, request.sampling, context, entry, stream)
         try:
-            yield from self._generate(request_id, prompt, params, request.sampling, context)
+            yield from self._run(job)
         finally:
             with self.lock:
                 self.inflight.pop(request_id, None)
 
-    def _fail(self, request_id, context, code: grpc.StatusCode, message: str):
-        self.metrics.requests.labels(code.name.lower()).inc()
-        yield pb.GenerateResponse(
-            request_id=request_id, error=pb.Error(code=code.value[0], message=message)
-        )
-        context.abort(code, message)
-
-    def _generate(self, request_id, prompt, params, sampling, context):
+    def _run(self, job: _Job):
         start = time.monotonic()
-        remaining = context.time_remaining
-        try:
-            prefill = self.pick_prefill(prompt)
-            try:
-                first = prefill.stub.Prefill(
-                    pb.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling),
-                    timeout=remaining(),
-                )
-            finally:
-                prefill.assigned -= 1
-        except LookupError as error:
-            yield from self._fail(request_id, context, grpc.StatusCode.UNAVAILABLE, str(error))
+        prefilled = yield from self._prefill(job)
+        if prefilled is None:
             return
-        except grpc.RpcError as error:
-            code = self._worker_error(prefill, error)
-            yield from self._fail(request_id, context, code, f"prefill failed: {error.details()}")
-            return
+        prefill, first = prefilled
         self.metrics.ttft.observe(time.monotonic() - start)
-        self.metrics.prompt_tokens.inc(len(prompt))
-        self.metrics.cached_tokens.inc(first.cached_tokens)
-        completion = [first.first_token]
-        stream = _Stream(self.tokenizer, sampling.stop)
-        yield self._chunk(request_id, completion, stream)
-        self.metrics.count_output(1)
-        entry = self.inflight[request_id]
-        finish = pb.FINISH_REASON_STOP if stream.stopped else None
-        if entry.aborted:
+        finish = pb.FINISH_REASON_STOP if job.stream.stopped else None
+        if job.entry.aborted:
             finish = pb.FINISH_REASON_ABORT
         if first.finished or finish is not None:
             prefill.kv.Release(pb.ReleaseRequest(kv_handle=first.kv_handle), timeout=5)
-            limit = params.max_tokens == 1 and first.first_token not in self.model.eos_token_ids
-            finish = finish or (pb.FINISH_REASON_LENGTH if limit else pb.FINISH_REASON_STOP)
+            eos = first.first_token in self.model.eos_token_ids
+            length = job.params.max_tokens == 1 and not eos
+            finish = finish or (pb.FINISH_REASON_LENGTH if length else pb.FINISH_REASON_STOP)
         else:
-            try:
-                decode = self.pick_decode()
-            except LookupError as error:
-                prefill.kv.Release(pb.ReleaseRequest(kv_handle=first.kv_handle), timeout=5)
-                yield from self._fail(request_id, context, grpc.StatusCode.UNAVAILABLE, str(error))
+            finish = yield from self._decode(job, prefill, first)
+            if finish is None:
                 return
-            try:
-                call = decode.stub.Decode(
-                    pb.DecodeRequest(
-                        request_id=request_id,
-                        token_ids=prompt,
-                        first_token=first.first_token,
-                        sampling=sampling,
-                        prefill_address=prefill.address,
-                        kv_handle=first.kv_handle,
-                    ),
-                    timeout=remaining(),
-                )
-                with self.lock:
-                    entry.call = call
-                    if entry.aborted:  # an Abort that came while the decode call started
-                        call.cancel()
-                context.add_callback(call.cancel)
-                self.metrics.transfer_bytes.inc(first.num_pages * self.model.page_bytes)
-                for message in call:
-                    if message.token_ids:
-                        completion += list(message.token_ids)
-                        self.metrics.count_output(len(message.token_ids))
-                        yield self._chunk(request_id, list(message.token_ids), stream)
-                        if stream.stopped:
-                            call.cancel()
-                            finish = pb.FINISH_REASON_STOP
-                            break
-                    if message.finish_reason:
-                        finish = message.finish_reason
-            except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.CANCELLED and finish is None:
-                    finish = pb.FINISH_REASON_ABORT  # Abort, or the client went away
-                elif finish is None:
-                    code = self._worker_error(decode, error)
-                    message = f"decode failed: {error.details()}"
-                    yield from self._fail(request_id, context, code, message)
-                    return
-            finally:
-                decode.assigned -= 1
-        if len(completion) > 1:
-            self.metrics.tpot.observe((time.monotonic() - start) / len(completion))
+        if len(job.stream.tokens) > 1:
+            self.metrics.tpot.observe((time.monotonic() - start) / len(job.stream.tokens))
         self.metrics.requests.labels("ok").inc()
         usage = pb.Usage(
-            prompt_tokens=len(prompt),
-            completion_tokens=len(completion),
+            prompt_tokens=len(job.prompt),
+            completion_tokens=len(job.stream.tokens),
             cached_tokens=first.cached_tokens,
         )
-        yield pb.GenerateResponse(
-            request_id=request_id, complete=pb.Complete(finish_reason=finish, usage=usage)
-        )
+        complete = pb.Complete(finish_reason=finish, usage=usage)
+        yield pb.GenerateResponse(request_id=job.request_id, complete=complete)
 
-    def _chunk(self, request_id: str, tokens: list[int], stream: _Stream) -> pb.GenerateResponse:
-        return pb.GenerateResponse(
-            request_id=request_id, chunk=pb.Chunk(token_ids=tokens, text=stream.add(tokens))
-        )
+    def _prefill(self, job: _Job):
+        """The prefill call; yields the first token's chunk. Returns (instance, response), or
+        None once a failure is reported."""
+        try:
+            prefill = self.pick_prefill(job.prompt)
+            try:
+                message = pb.PrefillRequest(
+                    request_id=job.request_id, token_ids=job.prompt, sampling=job.sampling
+                )
+                first = prefill.stub.Prefill(message, timeout=job.context.time_remaining())
+            finally:
+                prefill.assigned -= 1
+        except LookupError as error:
+            yield from self._fail(job, grpc.StatusCode.UNAVAILABLE, str(error))
+            return None
+        except grpc.RpcError as error:
+            code = self._worker_error(prefill, error)
+            yield from self._fail(job, code, f"prefill failed: {error.details()}")
+            return None
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        self.metrics.cached_tokens.inc(first.cached_tokens)
+        yield self._chunk(job, [first.first_token])
+        return prefill, first
+
+    def _decode(self, job: _Job, prefill: Worker, first: pb.PrefillResponse):
+        """The decode call; yields its tokens' chunks. Returns the finish reason, or None once
+        a failure is reported."""
+        try:
+            decode = self.pick_decode()
+        except LookupError as error:
+            prefill.kv.Release(pb.ReleaseRequest(kv_handle=first.kv_handle), timeout=5)
+            yield from self._fail(job, grpc.StatusCode.UNAVAILABLE, str(error))
+            return None
+        finish = None
+        try:
+            message = pb.DecodeRequest(
+                request_id=job.request_id,
+                token_ids=job.prompt,
+                first_token=first.first_token,
+                sampling=job.sampling,
+                prefill_address=prefill.address,
+                kv_handle=first.kv_handle,
+            )
+            call = decode.stub.Decode(message, timeout=job.context.time_remaining())
+            with self.lock:
+                job.entry.call = call
+                if job.entry.aborted:  # an Abort that came while the decode call started
+                    call.cancel()
+            job.context.add_callback(call.cancel)
+            self.metrics.transfer_bytes.inc(first.num_pages * self.model.page_bytes)
+            for message in call:
+                if message.token_ids:
+                    yield self._chunk(job, list(message.token_ids))
+                    if job.stream.stopped:
+                        call.cancel()
+                        return pb.FINISH_REASON_STOP
+                if message.finish_reason:
+                    finish = message.finish_reason
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED and finish is None:
+                return pb.FINISH_REASON_ABORT  # Abort, or the client went away
+            if finish is None:
+                code = self._worker_error(decode, error)
+                yield from self._fail(job, code, f"decode failed: {error.details()}")
+                return None
+        finally:
+            decode.assigned -= 1
+        return finish
+
+    def _fail(self, job: _Job, code: grpc.StatusCode, message: str):
+        self.metrics.requests.labels(code.name.lower()).inc()
+        error = pb.Error(code=code.value[0], message=message)
+        yield pb.GenerateResponse(request_id=job.request_id, error=error)
+        job.context.abort(code, message)
+
+    def _chunk(self, job: _Job, tokens: list[int]) -> pb.GenerateResponse:
+        self.metrics.count_output(len(tokens))
+        chunk = pb.Chunk(token_ids=tokens, text=job.stream.add(tokens))
+        return pb.GenerateResponse(request_id=job.request_id, chunk=chunk)
 
     def Abort(self, request, context):
         with self.lock:
