@@ -60,18 +60,36 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
-    def cached_prefix(self, tokens: list[int]) -> list[int]:
-        """The pages already holding a prefix of `tokens` (full pages, never the whole prompt:
-        its last token must be computed for its logits)."""
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached pages of the leading `hashes`."""
         blocks = []
-        for h in prefix_hashes(tokens[:-1], self.block_size):
+        for h in hashes:
             if h not in self.block_of:
                 break
             blocks.append(self.block_of[h])
         return blocks
 
+    def cached_prefix(self, tokens: list[int]) -> list[int]:
+        """The pages already holding a prefix of `tokens` (full pages, never the whole prompt:
+        its last token must be computed for its logits)."""
+        return self.lookup(prefix_hashes(tokens[:-1], self.block_size))
+
+    def _page_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The chained hashes of seq's full pages among its first `num_tokens` tokens. Kept on
+        the sequence and extended as it grows: each page is hashed once."""
+        size, hashes = self.block_size, seq.page_hashes
+        while (len(hashes) + 1) * size <= num_tokens:
+            start = len(hashes) * size
+            hashes.append(
+                block_hash(hashes[-1] if hashes else b"", seq.tokens[start : start + size])
+            )
+        return hashes[: num_tokens // size]
+
+    def _cached_pages(self, seq: Sequence) -> list[int]:
+        return self.lookup(self._page_hashes(seq, len(seq) - 1))
+
     def can_allocate(self, seq: Sequence) -> bool:
-        cached = self.cached_prefix(seq.tokens)
+        cached = self._cached_pages(seq)
         reusable_free = sum(1 for b in cached if self.ref_count[b] == 0)
         return seq.num_blocks(self.block_size) - len(cached) + reusable_free <= self.num_free
 
@@ -81,13 +99,14 @@ class BlockManager:
             raise ValueError(f"{seq.request_id} already has pages")
         if not self.can_allocate(seq):
             raise MemoryError(f"not enough free pages for {seq.request_id}")
-        cached = self.cached_prefix(seq.tokens)
+        cached = self._cached_pages(seq)
         for block in cached:
             self._take(block)
         seq.block_table = cached + [
             self._fresh() for _ in range(seq.num_blocks(self.block_size) - len(cached))
         ]
         seq.num_cached = seq.num_computed = len(cached) * self.block_size
+        seq.num_registered = len(cached)
         self.cache_hits += seq.num_cached
 
     def can_append(self, seq: Sequence) -> bool:
@@ -101,12 +120,13 @@ class BlockManager:
             seq.block_table.append(self._fresh())
 
     def register_computed(self, seq: Sequence) -> None:
-        """Make seq's computed full pages findable by hash."""
-        full = seq.num_computed // self.block_size
-        for i, h in enumerate(prefix_hashes(seq.tokens[: full * self.block_size], self.block_size)):
-            block = seq.block_table[i]
+        """Make seq's computed full pages findable by hash (those not registered yet)."""
+        hashes = self._page_hashes(seq, seq.num_computed)
+        for i in range(seq.num_registered, len(hashes)):
+            block, h = seq.block_table[i], hashes[i]
             if block not in self.hash_of and h not in self.block_of:
                 self.hash_of[block], self.block_of[h] = h, block
+        seq.num_registered = max(seq.num_registered, len(hashes))
 
     def deallocate(self, seq: Sequence) -> None:
         """Release seq's pages (cached contents stay findable until reused)."""
@@ -115,4 +135,4 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 self.free[block] = None
         seq.block_table = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0

@@ -66,8 +66,8 @@ class Engine:
         """Continue a request prefilled elsewhere: its prompt's KV comes as `pages` (a list of
         `[layers, page_size, 576]`), its first token is sampled already. It joins when pages are
         free (in arrival order); pages found in this instance's prefix cache are not written."""
-        seq = self._sequence([*prompt, first_token], params, request_id)
-        seq.prompt = list(prompt)
+        seq = self._sequence(prompt, params, request_id)
+        seq.tokens.append(first_token)
         self.scheduler.check_length(seq)
         if len(self.prefilled) >= self.scheduler.config.max_waiting:
             raise QueueFull(f"{len(self.prefilled)} prefilled requests wait for KV pages already")

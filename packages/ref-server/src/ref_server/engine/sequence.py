@@ -34,6 +34,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int = 0  # prompt tokens found in the prefix cache at admission
+    page_hashes: list[bytes] = field(default_factory=list)  # chained, of full pages so far
+    num_registered: int = 0  # leading pages already offered to the prefix cache
     eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids
     hold_pages: bool = False  # keep the pages after finishing, until released (prefill role)
 

@@ -76,14 +76,9 @@ class ServeConfig:
         return torch.device(self.device)
 
     def scheduler(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            max_waiting=self.max_waiting,
-        )
+        """The engine's settings, which ServeConfig holds under the same names."""
+        names = [f.name for f in dataclasses.fields(SchedulerConfig)]
+        return SchedulerConfig(**{name: getattr(self, name) for name in names})
 
     def load_model(self) -> M.Model:
         device = self.torch_device

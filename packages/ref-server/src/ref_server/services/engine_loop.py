@@ -35,8 +35,8 @@ class EngineLoop:
         self.commands.put((fn, future))
         return future.result(timeout)
 
-    def open(self, request_id: str, admit: Callable) -> queue.Queue:
-        """Run admit(engine) on the loop thread and stream the request's events."""
+    def open(self, request_id: str, admit: Callable) -> tuple[object, queue.Queue]:
+        """Run admit(engine) on the loop thread; its result, and the request's events."""
         events: queue.Queue = queue.Queue()
 
         def register(engine):
@@ -46,16 +46,15 @@ class EngineLoop:
             self.events[request_id] = events
             return seq
 
-        self.call(register)
-        return events
+        return self.call(register), events
 
     def hold(self, request_id: str) -> None:
         """Release this request's held pages unless they are released first."""
-        self.call(
-            lambda _: self.hold_deadlines.__setitem__(
-                request_id, time.monotonic() + self.hold_seconds
-            )
-        )
+
+        def set_deadline(_):
+            self.hold_deadlines[request_id] = time.monotonic() + self.hold_seconds
+
+        self.call(set_deadline)
 
     def cancel(self, request_id: str) -> bool:
         """Abort a request now (its KV pages are freed); False if it is not running here."""

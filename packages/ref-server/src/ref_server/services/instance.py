@@ -46,13 +46,10 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
             params = sampling_params(request.sampling, self.max_tokens_limit)
             first = dataclasses.replace(params, max_tokens=1)
             prompt = list(request.token_ids)
-            seqs = []
-
-            def admit(engine):
-                seqs.append(engine.add(prompt, first, request.request_id, hold_pages=True))
-                return seqs[-1]
-
-            events = self.loop.open(request.request_id, admit)
+            seq, events = self.loop.open(
+                request.request_id,
+                lambda engine: engine.add(prompt, first, request.request_id, hold_pages=True),
+            )
         except QueueFull as error:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         except (BadRequest, ValueError) as error:
@@ -66,29 +63,28 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
             token, finish = (value, None) if kind == "token" else (token, value)
         if finish is FinishReason.ABORT:
             context.abort(grpc.StatusCode.CANCELLED, "aborted")
-        seq = seqs[0]
         self.loop.hold(request.request_id)
-        ends = token in seq.eos_ids or token in params.stop_token_ids or params.max_tokens == 1
+        if token in seq.eos_ids or token in params.stop_token_ids:
+            request_finish = pb.FINISH_REASON_STOP
+        elif params.max_tokens == 1:  # the request's own limit (the prefill always runs 1 token)
+            request_finish = pb.FINISH_REASON_LENGTH
+        else:
+            request_finish = pb.FINISH_REASON_UNSPECIFIED  # decoding goes on
         pages = -(-seq.num_computed // self.loop.engine.scheduler.config.block_size)
         return pb.PrefillResponse(
             first_token=token,
             cached_tokens=seq.num_cached,
             kv_handle=request.request_id,
             num_pages=pages,
-            finished=ends,
+            finish_reason=request_finish,
         )
 
     def GetLoad(self, request, context):
         return _load(self.loop)
 
     def PrefixMatch(self, request, context):
-        blocks = self.loop.engine.scheduler.blocks
-        matched = 0
-        for page_hash in request.page_hashes:
-            if page_hash not in blocks.block_of:
-                break
-            matched += 1
-        return pb.PrefixMatchResponse(cached_pages=matched)
+        cached = self.loop.engine.scheduler.blocks.lookup(list(request.page_hashes))
+        return pb.PrefixMatchResponse(cached_pages=len(cached))
 
     def Pull(self, request, context):
         try:
@@ -143,7 +139,7 @@ class DecodeService(rpc.DecodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error.details()}")
         prompt = list(request.token_ids)
         try:
-            events = self.loop.open(
+            _, events = self.loop.open(
                 request.request_id,
                 lambda engine: engine.add_prefilled(
                     prompt, request.first_token, params, request.request_id, pages

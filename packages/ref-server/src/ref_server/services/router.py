@@ -231,11 +231,9 @@ class RouterService(rpc.RouterServicer):
         finish = pb.FINISH_REASON_STOP if job.stream.stopped else None
         if job.entry.aborted:
             finish = pb.FINISH_REASON_ABORT
-        if first.finished or finish is not None:
+        if first.finish_reason or finish is not None:
             prefill.kv.Release(pb.ReleaseRequest(kv_handle=first.kv_handle), timeout=5)
-            eos = first.first_token in self.model.eos_token_ids
-            length = job.params.max_tokens == 1 and not eos
-            finish = finish or (pb.FINISH_REASON_LENGTH if length else pb.FINISH_REASON_STOP)
+            finish = finish or first.finish_reason
         else:
             finish = yield from self._decode(job, prefill, first)
             if finish is None:

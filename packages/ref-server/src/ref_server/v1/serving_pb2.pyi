@@ -190,18 +190,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cached_tokens", "kv_handle", "num_pages", "finished")
+    __slots__ = ("first_token", "cached_tokens", "kv_handle", "num_pages", "finish_reason")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cached_tokens: int
     kv_handle: str
     num_pages: int
-    finished: bool
-    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., num_pages: _Optional[int] = ..., finished: bool = ...) -> None: ...
+    finish_reason: FinishReason
+    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., num_pages: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("kv_handle",)
