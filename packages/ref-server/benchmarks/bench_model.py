@@ -6,7 +6,8 @@
 Random weights from the preset (`--layers` keeps the first N layers, to fit a smaller device;
 the default on CPU is `tiny`). For each batch size: one cached prefill step of `--prompt`
 tokens per sequence, then `--steps` decode steps of one token per sequence (absorbed MLA through
-mla_kernels), each timed as the median of its repetitions with the device synchronized.
+mla_kernels), eagerly and replayed from CUDA graphs (`DecodeGraphs`, on CUDA), each timed as the
+median of its repetitions with the device synchronized. The ratio is of the graphs' figure.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
@@ -79,23 +80,29 @@ def step_cost(args: M.ModelArgs, batch: int, new: int, context: int, cache_bytes
 
 
 def run(model, batch: int, prompt: int, steps: int, device, reps: int):
+    """Seconds of a prefill step and of a decode step, eager and (on CUDA) from CUDA graphs."""
     args = model.args
     page = 64
-    pages = -(-(prompt + steps * (reps + 2)) // page)
+    pages = -(-(prompt + 2 * steps * (reps + 2)) // page)
     cache = M.PagedKVCache(args, batch * pages, page, torch.bfloat16, device)
     table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     ids = torch.randint(2, args.vocab_size, (batch * prompt,), device=device)
     prefill = StepBatch(ids, [prompt] * batch, [prompt] * batch, table)
     prefill_s = median_seconds(lambda: model.forward_step(prefill, cache), device, reps)
-    lengths = [prompt]
+    length = [prompt]
 
-    def decode():
-        lengths[0] += 1
+    def decode(forward):
+        length[0] += 1
         token = torch.full((batch,), 7, device=device)
-        model.forward_step(StepBatch(token, [1] * batch, [lengths[0]] * batch, table), cache)
+        forward(StepBatch(token, [1] * batch, [length[0]] * batch, table))
 
-    decode_s = median_seconds(decode, device, steps)
-    return prefill_s, decode_s, lengths[0]
+    eager_s = median_seconds(lambda: decode(lambda b: model.forward_step(b, cache)), device, steps)
+    graphs_s = None
+    if device.type == "cuda":
+        graphs = M.DecodeGraphs(model, cache, max_batch=batch, max_blocks=pages)
+        graphs_s = median_seconds(lambda: decode(graphs), device, steps)
+        del graphs
+    return prefill_s, eager_s, graphs_s, length[0]
 
 
 def main() -> None:
@@ -127,12 +134,15 @@ def main() -> None:
         f"{options.prompt}; measured ceilings: matmul {flops_peak / 1e12:.1f} TFLOP/s, "
         f"copy {copy_peak / 1e9:.0f} GB/s"
     )
-    print("batch | prefill tok/s | roofline | ratio | decode tok/s | roofline | ratio")
+    print(
+        "batch | prefill tok/s | roofline | ratio | decode tok/s: graphs | eager | roofline | ratio"
+    )
     rows = []
     for batch in map(int, options.batches.split(",")):
-        prefill_s, decode_s, context = run(
+        prefill_s, eager_s, graphs_s, context = run(
             model, batch, options.prompt, options.steps, device, options.reps
         )
+        decode_s = graphs_s or eager_s
         bounds = []
         for new, ctx, seconds in (
             (options.prompt, options.prompt, prefill_s),
@@ -142,18 +152,21 @@ def main() -> None:
             bound = max(flops / flops_peak, nbytes / copy_peak)
             bounds.append((batch * new / seconds, batch * new / bound))
         (prefill, prefill_bound), (decode, decode_bound) = bounds
+        eager = batch / eager_s
         rows.append(
             dict(
                 batch=batch,
                 prefill_tok_s=prefill,
                 prefill_roofline=prefill_bound,
                 decode_tok_s=decode,
+                decode_eager_tok_s=eager,
                 decode_roofline=decode_bound,
             )
         )
+        graphs = f"{decode:20.1f}" if graphs_s else f"{'-':>20}"
         print(
             f"{batch:5d} | {prefill:13.0f} | {prefill_bound:8.0f} | {prefill / prefill_bound:5.2f} "
-            f"| {decode:12.1f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f}"
+            f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f}"
         )
     if options.json:
         document = dict(

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 import ref_server.model as M
 from ep_comm.testing import run_ranks
 from ref_server.model import CheckpointError, SamplingParams, StepBatch
+from ref_server.model.sampling import sample
 
 CONFIGS = {
     "q_lora, yarn, 4 groups choose 2": {},
@@ -112,6 +113,8 @@ def test_grouped_expert_gemms_match_the_expert_loop(dtype):
     assert looped[(ids < 0).all(dim=1)].abs().max() == 0
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(grouped, looped, rtol=tolerance, atol=tolerance)
+    # an expert-parallel rank may receive no tokens at all
+    assert experts.grouped(x[:0], ids[:0], weights[:0]).shape == (0, 64)
 
 
 def test_generation_is_deterministic_and_seeded():
@@ -128,6 +131,48 @@ def test_generation_is_deterministic_and_seeded():
     stop = greedy[0][2]
     stopped = model.generate(prompts[:1], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
     assert stopped == [greedy[0][: greedy[0].index(stop) + 1]]
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+
+
+def draw(params: SamplingParams, n: int = 20_000, logits=LOGITS) -> torch.Tensor:
+    """Token frequencies over n positions of one sequence."""
+    tokens = sample(logits.expand(n, -1), [params] * n, list(range(n)))
+    return torch.bincount(torch.tensor(tokens), minlength=logits.numel()).double() / n
+
+
+@pytest.mark.parametrize(
+    "params, probs",
+    [
+        (SamplingParams(temperature=1.0, seed=3), LOGITS.softmax(0)),
+        (SamplingParams(temperature=0.5, seed=4), (LOGITS / 0.5).softmax(0)),
+        (SamplingParams(temperature=1.0, top_k=2, seed=5), LOGITS[:2].softmax(0)),
+        # probabilities .462 .280 .170 ...: the two best reach 0.6
+        (SamplingParams(temperature=1.0, top_p=0.6, seed=6), LOGITS[:2].softmax(0)),
+        (SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=7), LOGITS[:3].softmax(0)),
+    ],
+)
+def test_sampling_follows_the_softmax_within_its_cut(params, probs):
+    want = torch.zeros(LOGITS.numel(), dtype=torch.float64)
+    want[: probs.numel()] = probs.double()
+    got = draw(params)
+    assert (got - want).abs().max() < 4 * (0.25 / 20_000) ** 0.5  # four standard errors
+
+
+def test_sampling_depends_on_seed_and_position_only():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 300, generator=g)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=s) for s in range(5)]
+    positions = [3, 7, 7, 100, 2]
+    together = sample(logits, params, positions)
+    assert together == [
+        sample(logits[i : i + 1], [p], [q])[0]
+        for i, (p, q) in enumerate(zip(params, positions, strict=True))
+    ]
+    assert sample(logits, params, [q + 1 for q in positions]) != together
+    greedy = [SamplingParams(), *params[1:]]
+    assert sample(logits, greedy, positions)[0] == int(logits[0].argmax())
 
 
 def test_presets_and_their_sizes():

@@ -11,7 +11,9 @@ import torch
 
 import ref_server.model as M
 from ep_comm.testing import run_ranks
-from ref_server.model import StepBatch
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.model import SamplingParams, StepBatch
+from ref_server.model.sampling import sample
 from ref_server.model.transformer import MoE
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +44,7 @@ def test_v2_lite_layers_on_the_gpu_match_cpu_float32_math():
     decode steps through mla_kernels' CUDA kernel match the float32 CPU model holding the same
     weights. The CPU model takes the GPU's expert choices: among 64 close sigmoid scores, bf16
     rounding alone flips some of them (the gate itself is checked against transformers)."""
-    args = dataclasses.replace(M.PRESETS["v2-lite"], num_hidden_layers=3, vocab_size=4096)
+    args = small_v2_lite()
     gpu = M.from_args(args, seed=0, dtype=torch.bfloat16, device="cuda")
     cpu = M.from_args(args, seed=0, dtype=torch.float32)
     cpu.load_state_dict({k: v.float().cpu() for k, v in gpu.state_dict().items()})
@@ -67,6 +69,70 @@ def test_v2_lite_layers_on_the_gpu_match_cpu_float32_math():
     want = run(cpu, "cpu")
     for g, w in zip(got, want, strict=True):
         assert ((g - w).abs().amax(dim=-1) < 0.03 * w.abs().max()).all()
+
+
+def small_v2_lite():
+    return dataclasses.replace(M.PRESETS["v2-lite"], num_hidden_layers=3, vocab_size=4096)
+
+
+def test_decode_graphs_match_the_eager_step():
+    """Decode batches through the captured graphs against eager steps on a copy of the cache.
+    At a bucket's size the two run the same kernels on the same shapes: bit-identical logits
+    and cache rows. Between buckets (3 and 5 sequences, padded to 4 and 8) the padded GEMMs may
+    round differently. The padding block starts as NaN and no NaN leaks out."""
+    args = small_v2_lite()
+    model = M.from_args(args, seed=1, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(1)
+    eager, captured = (M.PagedKVCache(args, 64, 64, device="cuda") for _ in range(2))
+    for mine, other in zip(eager.layers, captured.layers, strict=True):
+        mine.copy_(torch.randn(mine.shape, generator=g).to(mine.dtype))
+        other.copy_(mine)
+        other[captured.padding_block] = float("nan")
+    graphs = M.DecodeGraphs(model, captured, max_batch=16, max_blocks=4)
+    assert graphs.buckets == [1, 2, 4, 8, 16]
+    for b in (4, 1, 16, 3, 5):
+        tables = torch.randperm(64, generator=g)[: b * 4].view(b, 4).int()
+        context = torch.randint(1, 4 * 64, (b,), generator=g).tolist()
+        ids = torch.randint(2, args.vocab_size, (b,), generator=g)
+        batch = StepBatch(ids.cuda(), [1] * b, context, tables)
+        want = model.forward_step(batch, eager)
+        got = graphs(batch).clone()
+        if b in graphs.buckets:
+            assert torch.equal(got, want)
+        else:
+            assert ((got - want).abs().amax(dim=-1) < 0.02 * want.abs().max()).all()
+    for mine, other in zip(eager.layers, captured.layers, strict=True):
+        torch.testing.assert_close(other[:-1], mine[:-1], rtol=0.02, atol=0.02)
+    with pytest.raises(ValueError, match="exceeds the captured 16 sequences and 4 blocks"):
+        graphs(StepBatch(ids[:1].cuda(), [1], [1], torch.zeros(1, 5, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="decode steps only"):
+        graphs(StepBatch(ids[:2].cuda(), [2], [2], torch.zeros(1, 1, dtype=torch.int32)))
+
+
+def test_engine_on_the_gpu_matches_one_process_generation():
+    """The engine (paged cache, decode through the graphs) against `generate` (eager, pages in
+    order): four prompts decode together at batch 4, a bucket's size, so greedy tokens agree."""
+    model = M.from_args(small_v2_lite(), seed=2, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 4096, (n,), generator=g).tolist() for n in (70, 9, 130, 33)]
+    params = SamplingParams(max_tokens=20)
+    config = SchedulerConfig(num_blocks=32, block_size=64, max_num_seqs=8, max_model_len=512)
+    engine = Engine(model, config)
+    assert engine.runner.decode_graphs is not None
+    assert engine.generate(prompts, params) == model.generate(prompts, params)
+
+
+def test_sampling_on_the_gpu_draws_what_the_cpu_draws():
+    """The Gumbel noise is integer hashing: the same draws on either device."""
+    logits = torch.randn(64, 102_400, generator=torch.Generator().manual_seed(9))
+    params = [
+        SamplingParams(
+            temperature=0.5 + i / 64, top_p=(1.0, 0.9)[i % 2], top_k=50 * (i % 3), seed=i
+        )
+        for i in range(64)
+    ]
+    positions = list(range(100, 164))
+    assert sample(logits.cuda(), params, positions) == sample(logits, params, positions)
 
 
 @pytest.mark.parametrize("world", [2, 4])

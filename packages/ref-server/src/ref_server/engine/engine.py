@@ -15,14 +15,14 @@ import torch
 from ref_server.engine.model_runner import ModelRunner
 from ref_server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
 from ref_server.engine.sequence import FinishReason, Sequence, Status
-from ref_server.model.generate import SamplingParams
+from ref_server.model.sampling import SamplingParams
 
 
 class Engine:
     def __init__(self, model, config: SchedulerConfig) -> None:
         self.model = model
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        self.runner = ModelRunner(model, config)
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run
@@ -51,11 +51,14 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def pages(self, request_id: str) -> list[torch.Tensor]:
-        """A held sequence's computed pages, each `[layers, page_size, 576]`."""
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The cache blocks of a held sequence's computed pages, in order (KeyError if none)."""
         seq = self.scheduler.held[request_id]
-        used = -(-seq.num_computed // self.scheduler.config.block_size)
-        return [self.runner.read_page(block) for block in seq.block_table[:used]]
+        return seq.block_table[: -(-seq.num_computed // self.scheduler.config.block_size)]
+
+    def pages(self, request_id: str) -> list[torch.Tensor]:
+        """A held sequence's computed pages, each `[layers, page_size, 576]` (CPU)."""
+        return [self.runner.read_page(block) for block in self.held_blocks(request_id)]
 
     def release(self, request_id: str) -> bool:
         return self.scheduler.release(request_id)

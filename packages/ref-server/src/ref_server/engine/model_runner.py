@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.engine.scheduler import Step
+from ref_server.engine.scheduler import SchedulerConfig, Step
 from ref_server.model.cache import PagedKVCache, StepBatch
-from ref_server.model.generate import sample
+from ref_server.model.cuda_graphs import DecodeGraphs
+from ref_server.model.sampling import sample
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, cache_dtype=torch.bfloat16):
+    def __init__(self, model, config: SchedulerConfig, cache_dtype=torch.bfloat16) -> None:
         self.model = model
         self.device = model.embed_tokens.weight.device
-        self.cache = PagedKVCache(model.args, num_blocks, block_size, cache_dtype, self.device)
+        self.cache = PagedKVCache(
+            model.args, config.num_blocks, config.block_size, cache_dtype, self.device
+        )
+        self.decode_graphs = None
+        if self.device.type == "cuda" and not model.expert_parallel:
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.cache,
+                max_batch=config.max_num_seqs,
+                max_blocks=-(-config.max_model_len // config.block_size),
+            )
 
     def _batch(self, step: Step) -> StepBatch:
         ids, context = [], []
@@ -34,11 +45,22 @@ class ModelRunner:
     def run(self, step: Step) -> list[int | None]:
         """The token sampled for each sequence whose chunk reaches its last token (None for
         chunks that end inside the tokens still to compute)."""
-        logits = self.model.forward_step(self._batch(step), self.cache)
-        sampled = []
-        for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks, strict=True)):
-            done = seq.num_computed + chunk == len(seq)
-            sampled.append(sample(logits[row], seq.params, len(seq)) if done else None)
+        batch = self._batch(step)
+        if self.decode_graphs and batch.is_decode:
+            logits = self.decode_graphs(batch)
+        else:
+            logits = self.model.forward_step(batch, self.cache)
+        sampled = [None] * len(step.seqs)
+        done = [
+            row
+            for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks, strict=True))
+            if seq.num_computed + chunk == len(seq)
+        ]
+        if done:
+            seqs = [step.seqs[row] for row in done]
+            tokens = sample(logits[done], [s.params for s in seqs], [len(s) for s in seqs])
+            for row, token in zip(done, tokens, strict=True):
+                sampled[row] = token
         return sampled
 
     def read_page(self, block: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from ref_server.model.generate import SamplingParams
+from ref_server.model.sampling import SamplingParams
 
 _ids = itertools.count()
 

@@ -32,12 +32,19 @@ class PagedKVCache:
             raise ValueError(f"page_size must be 16, 32, 64 or 128, got {page_size}")
         self.page_size = page_size
         self.num_blocks = num_blocks
+        # One block past the others that no sequence owns: the padding rows of a CUDA-graph
+        # decode step (`DecodeGraphs`) write and read there.
+        self.padding_block = num_blocks
         width = args.kv_lora_rank + args.qk_rope_head_dim
-        shape = (num_blocks, page_size, 1, width)
-        # [num_blocks, page_size, 1, 576] per layer
+        shape = (num_blocks + 1, page_size, 1, width)
+        # [num_blocks + 1, page_size, 1, 576] per layer
         self.layers = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
         ]
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
 
 
 @dataclass
@@ -72,19 +79,18 @@ class StepBatch:
     def is_decode(self) -> bool:
         return all(q == 1 for q in self.query_lens)
 
+    # Both on the CPU, from the Python lists: on the GPU they would wait for it.
     def positions(self) -> torch.Tensor:
-        """`[n]` int64: each new token's position in its sequence."""
+        """`[n]` int64 on the CPU: each new token's position in its sequence."""
         lens = zip(self.query_lens, self.context_lens, strict=True)
-        pieces = [torch.arange(context - new, context) for new, context in lens]
-        return torch.cat(pieces).to(self.input_ids.device)
+        return torch.cat([torch.arange(context - new, context) for new, context in lens])
 
     def slot_mapping(self, page_size: int) -> torch.Tensor:
-        """`[n]` int64: each new token's cache row, `block * page_size + offset`."""
+        """`[n]` int64 on the CPU: each new token's cache row, `block * page_size + offset`."""
         positions = self.positions()
         owner = torch.repeat_interleave(
-            torch.arange(len(self.query_lens), device=positions.device),
-            torch.tensor(self.query_lens, device=positions.device),
+            torch.arange(len(self.query_lens)), torch.tensor(self.query_lens)
         )
-        table = self.block_table.to(positions.device).long()
+        table = self.block_table.cpu().long()
         blocks = table[owner, positions // page_size]
         return blocks * page_size + positions % page_size

@@ -13,6 +13,7 @@ Module and parameter names follow the Hugging Face checkpoint, so loading is nam
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -65,22 +66,32 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
 
 
 class Rope(nn.Module):
+    """cos and sin of the rope angles at given positions, computed once per pass and shared by
+    every layer."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.inv_freq, self.attention_factor = rope_inv_freq(args)  # not a buffer: stays fp32
-        self.interleave = args.rope_interleave
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x `[..., n, heads, dim]` rotated at positions `[n]`; interleaved pairs come out
-        de-interleaved (evens then odds), as in the reference implementation."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq.to(x.device)
-        cos = (angles.cos() * self.attention_factor).to(x.dtype).unsqueeze(-2)
-        sin = (angles.sin() * self.attention_factor).to(x.dtype).unsqueeze(-2)
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions `[n]` to (cos, sin), each `[n, 1, rope / 2]` of `dtype`."""
+        if self.inv_freq.device != positions.device:  # once: a copy per call would sync the host
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float().unsqueeze(-1) * self.inv_freq
+        cos = (angles.cos() * self.attention_factor).to(dtype).unsqueeze(-2)
+        sin = (angles.sin() * self.attention_factor).to(dtype).unsqueeze(-2)
+        return cos, sin
+
+
+def rotate(x: torch.Tensor, rotation, interleave: bool) -> torch.Tensor:
+    """x `[..., n, heads, rope]` rotated by `Rope`'s (cos, sin); interleaved pairs come out
+    de-interleaved (evens then odds), as in the reference implementation."""
+    cos, sin = rotation
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class Attention(nn.Module):
@@ -103,18 +114,18 @@ class Attention(nn.Module):
         kv_width = args.qk_nope_head_dim + args.v_head_dim
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=False)
-        self.rope = Rope(args)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x `[..., n, hidden]` to q_nope, q_rope `[..., n, heads, *]`, the normalized latent
+    def _project(self, x: torch.Tensor, rotation):
+        """x `[..., n, hidden]` (rotation: `Rope` at its positions) to q_nope, q_rope
+        `[..., n, heads, *]`, the normalized latent
         `[..., n, kv_lora_rank]` and the rotated shared rope key `[..., n, rope]`."""
         a = self.args
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q = q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim))
         q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        q_rope = self.rope(q_rope, positions)
-        k_rope = self.rope(k_rope.unsqueeze(-2), positions).squeeze(-2)
+        q_rope = rotate(q_rope, rotation, a.rope_interleave)
+        k_rope = rotate(k_rope.unsqueeze(-2), rotation, a.rope_interleave).squeeze(-2)
         return q_nope, q_rope, self.kv_a_layernorm(latent), k_rope
 
     def _decompress(self, latent: torch.Tensor, k_rope: torch.Tensor):
@@ -137,39 +148,44 @@ class Attention(nn.Module):
         )
         return out.transpose(-3, -2).flatten(-2)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x `[b, t, hidden]`, a causal pass over whole sequences."""
-        q_nope, q_rope, latent, k_rope = self._project(x, positions)
+        q_nope, q_rope, latent, k_rope = self._project(x, rotation)
         k, v = self._decompress(latent, k_rope)
         q = torch.cat([q_nope, q_rope], dim=-1)
         return self.o_proj(self._attend(q, k, v, causal=True))
 
-    def forward_step(self, x, positions, cache: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+    def forward_step(self, x, rotation, cache: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         """x `[n, hidden]`: the new tokens; cache: this layer's `[blocks, page, 1, 576]`."""
-        batch = step.batch
-        q_nope, q_rope, latent, k_rope = self._project(x, positions)
+        q_nope, q_rope, latent, k_rope = self._project(x, rotation)
         mla_kernels.write_kv_cache(cache, latent, k_rope, step.slot_mapping, check_values=False)
-        if batch.is_decode:
-            out = self._absorbed_decode(q_nope, q_rope, batch, cache, step)
+        if step.is_decode:
+            out = self._absorbed_decode(q_nope, q_rope, cache, step)
         else:
-            out = self._prefill_from_cache(q_nope, q_rope, batch, cache, positions)
+            out = self._prefill_from_cache(q_nope, q_rope, cache, step)
         return self.o_proj(out.to(x.dtype))
 
-    def _prefill_from_cache(self, q_nope, q_rope, batch, cache, positions):
+    def _prefill_from_cache(self, q_nope, q_rope, cache, step):
         a, page = self.args, cache.shape[1]
         q = torch.cat([q_nope, q_rope], dim=-1)
         outputs, start = [], 0
-        for s, (new, context) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
-            blocks = batch.block_table[s, : -(-context // page)].long().to(cache.device)
+        for s, (new, context) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
+            blocks = step.block_table[s, : -(-context // page)].long()
             rows = cache[blocks].flatten(0, 2)[:context]  # [context, 576]
             latent, k_rope = rows.to(q.dtype).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
             k, v = self._decompress(latent, k_rope)
-            seen = torch.arange(context, device=q.device) <= positions[start : start + new, None]
-            outputs.append(self._attend(q[start : start + new], k, v, mask=seen))
+            if new == context:  # nothing cached before: a plain causal pass (a faster kernel)
+                outputs.append(self._attend(q[start : start + new], k, v, causal=True))
+            else:
+                seen = (
+                    torch.arange(context, device=q.device)
+                    <= step.positions[start : start + new, None]
+                )
+                outputs.append(self._attend(q[start : start + new], k, v, mask=seen))
             start += new
         return torch.cat(outputs)
 
-    def _absorbed_decode(self, q_nope, q_rope, batch, cache, step):
+    def _absorbed_decode(self, q_nope, q_rope, cache, step):
         """One token per sequence: queries absorb kv_b's key half and attend to the latent cache
         (576-wide rows, values are the first 512), then values go through kv_b's value half."""
         a = self.args
@@ -257,18 +273,22 @@ class Experts(nn.Module):
         return out
 
     def grouped(self, x, ids, weights) -> torch.Tensor:
-        """The same with one grouped GEMM per projection over the rows sorted by expert."""
-        token, slot = (ids >= 0).nonzero(as_tuple=True)
-        expert = ids[token, slot]
+        """The same with one grouped GEMM per projection over the rows sorted by expert, and
+        nothing that waits for the GPU: rows for other ranks' experts (-1) sort after every
+        group, and each token's k outputs are summed in fp32 in slot order."""
+        num_experts, k = self.gate_up_proj.shape[0], ids.shape[1]
+        valid = ids.flatten() >= 0
+        expert = torch.where(valid, ids.flatten(), num_experts)
         order = expert.argsort(stable=True)
-        token, slot, expert = token[order], slot[order], expert[order]
-        counts = torch.bincount(expert, minlength=self.gate_up_proj.shape[0])
-        offsets = counts.cumsum(0).to(torch.int32)
-        hidden = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        ends = torch.arange(1, num_experts + 1, device=ids.device)
+        offsets = torch.searchsorted(expert[order], ends, out_int32=True)
+        hidden = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offsets)
         gate, up = hidden.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        y = y * weights[token, slot, None]
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        per_slot = torch.empty_like(y, dtype=torch.float32)
+        per_slot[order] = y.float()  # rows past the last group are left unwritten: masked below
+        weighted = torch.where(valid[:, None], per_slot * weights.flatten()[:, None], 0.0)
+        return weighted.unflatten(0, ids.shape).sum(dim=1).to(x.dtype)
 
 
 class MoE(nn.Module):
@@ -312,60 +332,101 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv=None, step=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation, kv=None, step=None) -> torch.Tensor:
         """Without `step`, a causal pass; with it, a cached step (kv: this layer's cache)."""
         h = self.input_layernorm(x)
         if step is None:
-            x = x + self.self_attn(h, positions)
+            x = x + self.self_attn(h, rotation)
         else:
-            x = x + self.self_attn.forward_step(h, positions, kv, step)
+            x = x + self.self_attn.forward_step(h, rotation, kv, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass
 class StepMetadata:
-    """What every layer of one cached step shares: slots, the block table, decode schedule."""
+    """What every layer of one cached step shares, on the cache's device.
 
-    def __init__(self, batch: StepBatch, cache: PagedKVCache, heads: int) -> None:
-        self.batch = batch
-        device = cache.layers[0].device
-        self.slot_mapping = batch.slot_mapping(cache.page_size).to(device)
-        self.block_table = batch.block_table.to(device=device, dtype=torch.int32)
+    positions, slot_mapping: `[n]` int64, each new token's position and cache row.
+    block_table: `[b, max_blocks]` int32.
+    last_rows: `[b]` int64, the rows whose logits the step returns; None: every row (decode).
+    query_lens, context_lens: a prefill's lengths, which its per-sequence attention walks.
+    cache_seqlens `[b]` int32, tile_scheduler_metadata, num_splits: a decode's kernel schedule.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    last_rows: torch.Tensor | None = None
+    query_lens: list[int] | None = None
+    context_lens: list[int] | None = None
+    cache_seqlens: torch.Tensor | None = None
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return self.cache_seqlens is not None
+
+    @classmethod
+    def of(cls, batch: StepBatch, cache: PagedKVCache, heads: int) -> StepMetadata:
+        device = cache.device
+        positions = batch.positions().to(device)
+        slot_mapping = batch.slot_mapping(cache.page_size).to(device)
+        block_table = batch.block_table.to(device=device, dtype=torch.int32)
         if batch.is_decode:
-            self.cache_seqlens = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)
-            self.tile_scheduler_metadata, self.num_splits = mla_kernels.get_mla_metadata(
-                self.cache_seqlens, heads, 1
-            )
+            return cls.decode(positions, slot_mapping, block_table, heads)
+        last_rows = torch.tensor(batch.query_lens).cumsum(0).sub(1).to(device)
+        return cls(
+            positions, slot_mapping, block_table, last_rows, batch.query_lens, batch.context_lens
+        )
+
+    @classmethod
+    def decode(cls, positions, slot_mapping, block_table, heads: int) -> StepMetadata:
+        """One new token per sequence, from device tensors alone (so a CUDA graph can capture
+        it): each sequence's cache then holds its token's position + 1 tokens."""
+        cache_seqlens = (positions + 1).int()
+        metadata, splits = mla_kernels.get_mla_metadata(cache_seqlens, heads, 1)
+        return cls(
+            positions, slot_mapping, block_table, None, None, None, cache_seqlens, metadata, splits
+        )
 
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
         super().__init__()
         self.args = args
+        self.expert_parallel = expert_parallel
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
             Block(args, i, expert_parallel) for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rope = Rope(args)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids `[b, t]` int64 to logits `[b, t, vocab]` float32 (no cache)."""
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed_tokens(input_ids)
+        rotation = self.rope(torch.arange(input_ids.shape[1], device=x.device), x.dtype)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, rotation)
         return self.lm_head(self.norm(x)).float()
 
     @torch.no_grad()
     def forward_step(self, batch: StepBatch, cache: PagedKVCache) -> torch.Tensor:
         """The new tokens of `batch` through the cache; logits `[b, vocab]` float32 of each
         sequence's last new token."""
-        step = StepMetadata(batch, cache, self.args.num_attention_heads)
-        positions = batch.positions()
-        x = self.embed_tokens(batch.input_ids)
+        step = StepMetadata.of(batch, cache, self.args.num_attention_heads)
+        return self.run_step(batch.input_ids.to(cache.device), step, cache)
+
+    def run_step(self, input_ids: torch.Tensor, step: StepMetadata, cache: PagedKVCache):
+        """`forward_step` on device tensors alone: what `DecodeGraphs` captures."""
+        x = self.embed_tokens(input_ids)
+        rotation = self.rope(step.positions, x.dtype)
         for layer, kv in zip(self.layers, cache.layers, strict=True):
-            x = layer(x, positions, kv, step)
-        last = torch.tensor(batch.query_lens, device=x.device).cumsum(0) - 1
-        return self.lm_head(self.norm(x[last])).float()
+            x = layer(x, rotation, kv, step)
+        if step.last_rows is not None:
+            x = x[step.last_rows]
+        return self.lm_head(self.norm(x)).float()

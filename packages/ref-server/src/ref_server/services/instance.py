@@ -10,17 +10,15 @@ import grpc
 
 from ref_server.engine import FinishReason, QueueFull
 from ref_server.services.engine_loop import EngineLoop
+from ref_server.services.kv_transfer import KvPuller, new_cache_id, shared_cache
 from ref_server.services.messages import (
     FINISH,
     BadRequest,
     page_message,
-    page_tensor,
     sampling_params,
 )
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
-
-TRANSFER_TIMEOUT = 60.0
 
 
 def _load(loop: EngineLoop) -> pb.WorkerLoad:
@@ -40,6 +38,7 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
     def __init__(self, loop: EngineLoop, max_tokens_limit: int) -> None:
         self.loop = loop
         self.max_tokens_limit = max_tokens_limit
+        self.cache_id = new_cache_id()
 
     def Prefill(self, request, context):
         try:
@@ -86,13 +85,24 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
         cached = self.loop.engine.scheduler.blocks.lookup(list(request.page_hashes))
         return pb.PrefixMatchResponse(cached_pages=len(cached))
 
-    def Pull(self, request, context):
+    def _held(self, read, kv_handle: str, context):
+        """read(engine) for a held request's KV; NOT_FOUND when none is held."""
         try:
-            pages = self.loop.call(lambda engine: engine.pages(request.kv_handle))
+            return self.loop.call(read)
         except KeyError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held under {request.kv_handle!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held under {kv_handle!r}")
+
+    def Pull(self, request, context):
+        pages = self._held(lambda e: e.pages(request.kv_handle), request.kv_handle, context)
         for index, page in enumerate(pages):
             yield page_message(index, page)
+
+    def Locate(self, request, context):
+        blocks = self._held(lambda e: e.held_blocks(request.kv_handle), request.kv_handle, context)
+        return pb.KvBlocks(cache_id=self.cache_id, blocks=blocks)
+
+    def ShareCache(self, request, context):
+        return shared_cache(self.loop.engine.runner.cache, self.cache_id)
 
     def Release(self, request, context):
         self.loop.call(lambda engine: engine.release(request.kv_handle))
@@ -103,30 +113,10 @@ class DecodeService(rpc.DecodeServicer):
     def __init__(self, loop: EngineLoop, max_tokens_limit: int) -> None:
         self.loop = loop
         self.max_tokens_limit = max_tokens_limit
-        self.channels: dict[str, grpc.Channel] = {}
-        args = loop.engine.model.args
-        self.page_shape = (
-            args.num_hidden_layers,
-            loop.engine.scheduler.config.block_size,
-            args.kv_lora_rank + args.qk_rope_head_dim,
-        )
-
-    def _pull(self, request) -> list:
-        """The prompt's KV pages from the prefill instance, which then frees them."""
-        if request.prefill_address not in self.channels:
-            self.channels[request.prefill_address] = grpc.insecure_channel(request.prefill_address)
-        transfer = rpc.KvTransferStub(self.channels[request.prefill_address])
-        handle = pb.PullRequest(kv_handle=request.kv_handle)
-        try:
-            pages = [
-                page_tensor(m, self.page_shape)
-                for m in transfer.Pull(handle, timeout=TRANSFER_TIMEOUT)
-            ]
-        finally:
-            transfer.Release(
-                pb.ReleaseRequest(kv_handle=request.kv_handle), timeout=TRANSFER_TIMEOUT
-            )
-        return pages
+        args, config = loop.engine.model.args, loop.engine.scheduler.config
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+        page_shape = (args.num_hidden_layers, config.block_size, width)
+        self.kv = KvPuller(page_shape, loop.engine.runner.device)
 
     def Decode(self, request, context):
         try:
@@ -134,7 +124,7 @@ class DecodeService(rpc.DecodeServicer):
         except BadRequest as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
-            pages = self._pull(request)
+            pages, method = self.kv.pull(request.prefill_address, request.kv_handle)
         except grpc.RpcError as error:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error.details()}")
         prompt = list(request.token_ids)
@@ -150,6 +140,7 @@ class DecodeService(rpc.DecodeServicer):
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         context.add_callback(lambda: self.loop.cancel(request.request_id) or None)
+        yield pb.DecodeResponse(kv_transfer=method)
         while True:
             kind, value = _wait(events, context)
             if kind == "error":

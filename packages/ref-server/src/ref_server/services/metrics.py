@@ -33,7 +33,10 @@ class Metrics:
         )
         self.output_tokens = Counter("ref_server_output_tokens", "generated tokens", registry=r)
         self.transfer_bytes = Counter(
-            "ref_server_kv_transfer_bytes", "KV bytes moved prefill to decode", registry=r
+            "ref_server_kv_transfer_bytes",
+            "KV bytes moved prefill to decode, by method (grpc or cuda_ipc)",
+            ["method"],
+            registry=r,
         )
         self.tokens_per_s = Gauge(
             "ref_server_output_tokens_per_second",

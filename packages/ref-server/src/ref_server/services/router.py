@@ -26,6 +26,8 @@ from ref_server.v1 import serving_pb2_grpc as rpc
 
 WORKER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
+TRANSFER_LABELS = {pb.KV_TRANSFER_METHOD_GRPC: "grpc", pb.KV_TRANSFER_METHOD_CUDA_IPC: "cuda_ipc"}
+
 
 @dataclass
 class Worker:
@@ -298,8 +300,12 @@ class RouterService(rpc.RouterServicer):
                 if job.entry.aborted:  # an Abort that came while the decode call started
                     call.cancel()
             job.context.add_callback(call.cancel)
-            self.metrics.transfer_bytes.inc(first.num_pages * self.model.page_bytes)
             for message in call:
+                if message.kv_transfer:
+                    method = TRANSFER_LABELS[message.kv_transfer]
+                    self.metrics.transfer_bytes.labels(method).inc(
+                        first.num_pages * self.model.page_bytes
+                    )
                 if message.token_ids:
                     yield self._chunk(job, list(message.token_ids))
                     if job.stream.stopped:

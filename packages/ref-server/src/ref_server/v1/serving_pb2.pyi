@@ -12,10 +12,19 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class KvTransferMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TRANSFER_METHOD_UNSPECIFIED: _ClassVar[KvTransferMethod]
+    KV_TRANSFER_METHOD_GRPC: _ClassVar[KvTransferMethod]
+    KV_TRANSFER_METHOD_CUDA_IPC: _ClassVar[KvTransferMethod]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+KV_TRANSFER_METHOD_UNSPECIFIED: KvTransferMethod
+KV_TRANSFER_METHOD_GRPC: KvTransferMethod
+KV_TRANSFER_METHOD_CUDA_IPC: KvTransferMethod
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed")
@@ -219,6 +228,56 @@ class KvPage(_message.Message):
     dtype: str
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
 
+class ShareCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CudaIpcTensor(_message.Message):
+    __slots__ = ("size", "stride", "offset", "dtype", "device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    dtype: str
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ...) -> None: ...
+
+class SharedCache(_message.Message):
+    __slots__ = ("cache_id", "host_id", "layers")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    host_id: str
+    layers: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
+    def __init__(self, cache_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
+
+class KvBlocks(_message.Message):
+    __slots__ = ("cache_id", "blocks")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cache_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("kv_handle",)
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -246,9 +305,11 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason")
+    __slots__ = ("token_ids", "finish_reason", "kv_transfer")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    kv_transfer: KvTransferMethod
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_transfer: _Optional[_Union[KvTransferMethod, str]] = ...) -> None: ...

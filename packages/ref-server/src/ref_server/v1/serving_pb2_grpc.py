@@ -413,6 +413,16 @@ class KvTransferStub(object):
                 request_serializer=ref__server_dot_v1_dot_serving__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=ref__server_dot_v1_dot_serving__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ShareCache = channel.unary_unary(
+                '/ref_server.v1.KvTransfer/ShareCache',
+                request_serializer=ref__server_dot_v1_dot_serving__pb2.ShareCacheRequest.SerializeToString,
+                response_deserializer=ref__server_dot_v1_dot_serving__pb2.SharedCache.FromString,
+                _registered_method=True)
+        self.Locate = channel.unary_unary(
+                '/ref_server.v1.KvTransfer/Locate',
+                request_serializer=ref__server_dot_v1_dot_serving__pb2.PullRequest.SerializeToString,
+                response_deserializer=ref__server_dot_v1_dot_serving__pb2.KvBlocks.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer(object):
@@ -431,6 +441,20 @@ class KvTransferServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareCache(self, request, context):
+        """For a decode instance on the same host: the KV cache's CUDA IPC handles, one per layer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Locate(self, request, context):
+        """The blocks of the shared cache that hold a handle's pages, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -443,6 +467,16 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=ref__server_dot_v1_dot_serving__pb2.ReleaseRequest.FromString,
                     response_serializer=ref__server_dot_v1_dot_serving__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ShareCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareCache,
+                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.ShareCacheRequest.FromString,
+                    response_serializer=ref__server_dot_v1_dot_serving__pb2.SharedCache.SerializeToString,
+            ),
+            'Locate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Locate,
+                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.PullRequest.FromString,
+                    response_serializer=ref__server_dot_v1_dot_serving__pb2.KvBlocks.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -499,6 +533,60 @@ class KvTransfer(object):
             '/ref_server.v1.KvTransfer/Release',
             ref__server_dot_v1_dot_serving__pb2.ReleaseRequest.SerializeToString,
             ref__server_dot_v1_dot_serving__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ref_server.v1.KvTransfer/ShareCache',
+            ref__server_dot_v1_dot_serving__pb2.ShareCacheRequest.SerializeToString,
+            ref__server_dot_v1_dot_serving__pb2.SharedCache.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Locate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ref_server.v1.KvTransfer/Locate',
+            ref__server_dot_v1_dot_serving__pb2.PullRequest.SerializeToString,
+            ref__server_dot_v1_dot_serving__pb2.KvBlocks.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,89 @@
+"""Sampling parameters and the batched sampler.
+
+A sampled token is the argmax of its scaled, top-k / top-p masked logits plus Gumbel noise
+(the Gumbel-max trick: a draw from their softmax). The noise of token t at a sequence's
+position p is a hash of (seed, p, t): one batched pass on the logits' device, no generator, no
+per-row host work, and the draw depends on (seed, position, logits) only. So every way of
+running a request (one process, an engine, prefill and decode in different processes, any
+batch) samples the same tokens from the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    max_tokens: int = 16
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    """The token of each row of `logits` `[b, vocab]` float32, row i drawn with params[i] for
+    position positions[i] of its sequence (the position the token will take)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    greedy = temperature == 0
+    scores = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    if any(p.top_k or p.top_p < 1 for p in params):
+        scores = _keep_top_k_top_p(scores, params)
+    drawn = [row for row, p in enumerate(params) if p.temperature > 0]
+    if drawn:
+        rows = torch.tensor(drawn, device=device)
+        keys = [(params[r].seed * 1_000_003 + positions[r]) % 2**63 for r in drawn]
+        scores[rows] += _gumbel(torch.tensor(keys, device=device), scores.shape[1])
+    return scores.argmax(dim=-1).tolist()
+
+
+def _keep_top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """-inf outside each row's k best tokens, then outside the fewest best tokens whose
+    probabilities reach top_p (the best one always stays)."""
+    vocab, device = scores.shape[1], scores.device
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    ordered, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=device)
+    ordered = ordered.masked_fill(rank >= top_k.unsqueeze(-1), float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    ordered = ordered.masked_fill(
+        probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(-1), float("-inf")
+    )
+    return torch.empty_like(scores).scatter_(1, order, ordered)
+
+
+def _signed(constant: int) -> int:
+    return constant - 2**64 if constant >= 2**63 else constant
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical shift of int64 words (torch shifts them arithmetically)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[rows, vocab]` float32 standard Gumbel noise: splitmix64 of (key, token id), int64
+    arithmetic wrapping alike on every device."""
+    tokens = torch.arange(vocab, device=keys.device)
+    z = keys.unsqueeze(-1) * _signed(0x9E3779B97F4A7C15) + tokens
+    z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shift_right(z, 31)
+    uniform = (_shift_right(z, 11).double() + 0.5) / 2**53  # in (0, 1)
+    return (-torch.log(-torch.log(uniform))).float()

@@ -1,0 +1,59 @@
+"""The deployment on the GPU (`gpu` marker): the V2-Lite-sized preset in a prefill and a decode
+instance sharing the GPU, KV pages copied between them through CUDA IPC."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+import ref_server.model as M
+from ref_server.services.client import Client, request
+from ref_server.services.deployment import Deployment, ServeConfig, free_port
+
+pytestmark = pytest.mark.gpu
+
+SEED = 6
+
+
+def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc():
+    config = ServeConfig(
+        port=free_port(), metrics_port=free_port(), preset="v2-lite", seed=SEED, device="cuda"
+    )
+    deployment = Deployment(config, startup_timeout=400)
+    try:
+        client = Client(deployment.address)
+        reference = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
+        g = torch.Generator().manual_seed(SEED)
+        # one request at a time: prefill and decode run at batch 1 as `generate` does, so the
+        # greedy tokens agree exactly (pages of 64: the prompts end inside, at and past a page)
+        for length, max_tokens in ((5, 12), (64, 8), (300, 16)):
+            prompt = torch.randint(2, 100_000, (length,), generator=g).tolist()
+            want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
+            got = client.generate(request(token_ids=prompt, max_tokens=max_tokens), timeout=120)
+            assert got.token_ids == want
+        del reference
+
+        results = [None] * 48  # concurrent sampled requests: decode batches of many sizes
+
+        def send(i: int) -> None:
+            message = request(
+                text=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i
+            )
+            results[i] = client.generate(message, timeout=300)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(results))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert all(r is not None and 1 <= r.usage.completion_tokens <= 32 for r in results)
+        url = f"http://127.0.0.1:{config.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        assert 'ref_server_kv_transfer_bytes_total{method="cuda_ipc"}' in text
+        assert 'method="grpc"' not in text
+        client.close()
+    finally:
+        deployment.stop()
