@@ -32,14 +32,20 @@ class Problem:
     num_experts: int
 
 
-def make_problem(world: int, seed: int, experts_per_rank: int = 3, num_topk: int = 4) -> Problem:
+def make_problem(
+    world: int, seed: int, experts_per_rank: int = 3, num_topk: int = 4, idle_rank: bool = False
+) -> Problem:
+    """The last rank has no tokens when world > 2; with idle_rank, also no token chooses its
+    experts, so it neither sends nor receives a row."""
     g = torch.Generator().manual_seed(seed)
     num_experts = experts_per_rank * world
+    routable = num_experts - experts_per_rank if idle_rank else num_experts
     xs, idx, weights = [], [], []
     for rank in range(world):
-        num_tokens = 0 if rank == world - 1 and world > 2 else 29 + 17 * rank  # one empty rank
+        empty = rank == world - 1 and (world > 2 or idle_rank)
+        num_tokens = 0 if empty else 29 + 17 * rank
         xs.append(torch.randn(num_tokens, HIDDEN, generator=g).to(torch.bfloat16))
-        i, w = random_routing(num_tokens, num_experts, min(num_topk, num_experts), g, skew=1.5)
+        i, w = random_routing(num_tokens, routable, min(num_topk, routable), g, skew=1.5)
         idx.append(i)
         weights.append(w)
     return Problem(xs, idx, weights, num_experts)
@@ -95,8 +101,10 @@ def make_buffer(group, world: int, backend: str, timeout: float = 60) -> Buffer:
     return buffer
 
 
-def roundtrip(rank: int, world: int, group, device: str, seed: int, backend: str = "torch"):
-    p = make_problem(world, seed)
+def roundtrip(
+    rank: int, world: int, group, device: str, seed: int, backend: str = "torch", idle_rank=False
+):
+    p = make_problem(world, seed, idle_rank=idle_rank)
     x = p.x[rank].to(device)
     topk_idx, topk_weights = p.topk_idx[rank].to(device), p.topk_weights[rank].to(device)
     buffer = make_buffer(group, world, backend)

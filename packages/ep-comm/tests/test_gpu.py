@@ -25,6 +25,11 @@ def test_roundtrip_with_cuda_tensors(world, backend):
 
 
 @pytest.mark.parametrize("backend", ["cuda", "torch"])
+def test_a_rank_that_neither_sends_nor_receives_on_the_gpu(backend):
+    run_ranks(2, SCENARIOS, "roundtrip", "cuda", 2009, backend, True, limit=300)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "torch"])
 def test_async_flags_give_the_plain_result(backend):
     assert torch.cuda.is_available()
     run_ranks(4, SCENARIOS, "async_paths", backend, limit=600)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ep_comm import Buffer, Config
 from ep_comm.layout import dispatch_layout, rank_prefix_matrix, to_local_experts
 from ep_comm.testing import per_token_cast_back, per_token_cast_to_fp8, random_routing
+from ep_comm.torch_backend import _pack, _unpack
 
 
 @pytest.fixture
@@ -173,3 +174,18 @@ def test_non_tensor_arguments_get_value_errors(solo_group):
         buffer.get_dispatch_layout([[0, 1]], 4)
     with pytest.raises(ValueError, match="x must be a"):
         buffer.dispatch(None)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_packed_rows_unpack_whatever_their_count(rows, generator):
+    """The torch backend's byte rows (156 bytes here: not a multiple of 8) come back as the
+    tensors they were made of, for one row and none too."""
+    pieces = [
+        torch.randn(rows, 64, generator=generator).to(torch.bfloat16),
+        torch.randint(-1, 8, (rows, 3), generator=generator),
+        torch.randint(0, 9, (rows, 1), generator=generator).to(torch.int32),
+    ]
+    packed = _pack(pieces)
+    assert packed.shape == (rows, 156)
+    for got, want in zip(_unpack(packed, pieces), pieces, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)

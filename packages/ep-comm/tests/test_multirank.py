@@ -14,6 +14,10 @@ def test_dispatch_combine_roundtrip(world):
     run_ranks(world, SCENARIOS, "roundtrip", "cpu", 1000 + world)
 
 
+def test_a_rank_that_neither_sends_nor_receives():
+    run_ranks(2, SCENARIOS, "roundtrip", "cpu", 1009, "torch", True)
+
+
 @pytest.mark.parametrize(
     "case",
     [

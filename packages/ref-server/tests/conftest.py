@@ -1,15 +1,20 @@
 """Tiny DeepSeek-V3 checkpoints written by `transformers` (the independent reference), for
-tests through the `checkpoints` fixture."""
+tests through the `checkpoints` fixture; deployment checks shared by the CPU and GPU serving
+tests through `serving_checks`."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from ref_server.services.client import Client, request
+from ref_server.services.deployment import Deployment, ServeConfig
 
 YARN = dict(
     rope_type="yarn",
@@ -117,3 +122,56 @@ def to_fp8_sharded(source: Path, target: Path, shards: int = 2) -> dict[str, tor
 def checkpoints() -> SimpleNamespace:
     """write(path, seed, **config overrides) and to_fp8_sharded(source, target)."""
     return SimpleNamespace(write=write_checkpoint, to_fp8_sharded=to_fp8_sharded)
+
+
+def near_greedy(reference, prompt: list[int], completion: list[int]) -> bool:
+    """Each generated token is the reference's greedy choice, or within 3 % of the logit range
+    of it (an expert-parallel instance moves its MoE rows in bf16)."""
+    ids = torch.tensor([prompt + completion], device=reference.embed_tokens.weight.device)
+    logits = reference(ids)[0, len(prompt) - 1 : -1].cpu()
+    chosen = logits[torch.arange(len(completion)), completion]
+    return bool((logits.max(dim=-1).values - chosen <= 0.03 * (logits.max() - logits.min())).all())
+
+
+def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool = True) -> None:
+    """Prefill and decode instances of two ranks each: data-parallel attention, MoE layers
+    expert-parallel over gloo. Requests sent one at a time all land on rank 0 of each instance
+    (the balancers' ties), so rank 1 serves its experts through idle steps; sent together they
+    spread over both ranks. Every completion is the reference's greedy tokens within the bf16
+    rounding of the exchange. With batch_invariant (CPU float32, where a token's result does
+    not depend on its batch), a prompt gets the same tokens alone or among others."""
+    running = Deployment(config, startup_timeout=300)
+    try:
+        client = Client(running.address)
+        roles = sorted(w.role for w in running.router.workers)
+        assert roles == ["decode", "decode", "prefill", "prefill"]
+        prompts = [list(range(3, 3 + n)) for n in (4, 20, 70)]
+        alone = [
+            client.generate(request(token_ids=p, max_tokens=12), timeout=60).token_ids
+            for p in prompts
+        ]
+        for prompt, completion in zip(prompts, alone, strict=True):
+            assert len(completion) > 0 and near_greedy(reference, prompt, list(completion))
+        together = [None] * (3 * len(prompts))
+
+        def send(i: int) -> None:
+            message = request(token_ids=prompts[i % len(prompts)], max_tokens=12)
+            together[i] = client.generate(message, timeout=60).token_ids
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(together))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if batch_invariant:
+            assert together == alone * 3
+        for i, completion in enumerate(together):
+            assert near_greedy(reference, prompts[i % len(prompts)], list(completion))
+        client.close()
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def serving_checks():
+    return SimpleNamespace(instances_of_two_ranks=instances_of_two_ranks)

@@ -35,3 +35,22 @@ def expert_parallel_matches_one_process(
     for batch in steps:
         got, want = (m.forward_step(batch, c) for m, c in zip((ep, one), caches, strict=True))
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+def an_idle_rank_serves_its_experts(rank: int, world: int, group, path: str, device: str = "cpu"):
+    """Rank 0 runs a prompt while the others run idle steps: rank 0's logits equal one process
+    holding every expert (the idle ranks computed their experts' share)."""
+    ep = M.from_pretrained(path, dtype=torch.bfloat16, device=device, group=group)
+    prompt = list(range(5, 20))
+    cache = M.PagedKVCache(ep.args, 1, 64, device=device)
+    batch = StepBatch(
+        torch.tensor(prompt, device=device), [15], [15], torch.zeros(1, 1, dtype=torch.int32)
+    )
+    with torch.no_grad():
+        if rank == 0:
+            got = ep.forward_step(batch, cache)
+            one = M.from_pretrained(path, dtype=torch.bfloat16, device=device)
+            want = one.forward_step(batch, M.PagedKVCache(one.args, 1, 64, device=device))
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+        else:
+            ep.idle_step()

@@ -268,3 +268,4 @@ def test_expert_parallel_over_two_gloo_ranks_matches_one_process(checkpoints, tm
     checkpoints.write(tmp_path, seed=8)
     scenarios = str(Path(__file__).with_name("model_scenarios.py"))
     run_ranks(2, scenarios, "expert_parallel_matches_one_process", str(tmp_path), limit=300)
+    run_ranks(2, scenarios, "an_idle_rank_serves_its_experts", str(tmp_path), limit=300)

@@ -213,3 +213,28 @@ def test_a_dead_decode_instance_fails_its_requests_and_the_other_takes_over(refe
         client.close()
     finally:
         running.stop()
+
+
+def test_instances_of_two_ranks_serve_from_every_rank(reference, serving_checks):
+    serving_checks.instances_of_two_ranks(config(ranks=2), reference)
+
+
+def test_a_rank_that_dies_takes_its_instance_out_of_service():
+    """Killing one rank of a two-rank decode instance: its sibling's loop fails within the
+    group timeout instead of waiting for it forever, and says NOT_SERVING."""
+    running = Deployment(config(ranks=2, group_timeout_s=20), startup_timeout=180)
+    try:
+        first, sibling = [w.address for w in running.router.workers if w.role == "decode"]
+        running.children[first].kill()
+        with grpc.insecure_channel(sibling) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 60
+            status = None
+            while (
+                time.monotonic() < deadline and status != health_pb2.HealthCheckResponse.NOT_SERVING
+            ):
+                time.sleep(0.5)
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        running.stop()

@@ -57,3 +57,21 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc():
         client.close()
     finally:
         deployment.stop()
+
+
+def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving_checks):
+    """The tiny preset in four processes sharing the GPU: each instance's two ranks move MoE
+    rows with ep_comm's cuda backend (CUDA IPC), an idle rank in lockstep with a busy one."""
+    config = ServeConfig(
+        port=free_port(),
+        metrics_port=free_port(),
+        preset="tiny",
+        seed=SEED,
+        device="cuda",
+        ranks=2,
+        num_blocks=96,
+        block_size=16,
+        max_model_len=512,
+    )
+    reference = M.from_preset("tiny", seed=SEED, dtype=torch.bfloat16, device="cuda")
+    serving_checks.instances_of_two_ranks(config, reference, batch_invariant=False)

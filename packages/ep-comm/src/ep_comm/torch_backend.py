@@ -30,7 +30,8 @@ def _unpack(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     out, start = [], 0
     for ref in like:
         width = row_bytes(ref)
-        piece = rows[:, start : start + width].contiguous().view(ref.dtype)
+        # reshape, not contiguous(): one row of an odd-sized packing is 'contiguous' already
+        piece = rows[:, start : start + width].reshape(-1).view(ref.dtype)
         out.append(piece.reshape(rows.shape[0], *ref.shape[1:]))
         start += width
     return out

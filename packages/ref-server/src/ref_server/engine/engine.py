@@ -101,6 +101,8 @@ class Engine:
         step = self.scheduler.schedule()
         self.idle = step is None
         if step is None:
+            if self.model.expert_parallel:  # the peers' MoE layers exchange with this rank anyway
+                self.runner.idle()
             blocked = self.scheduler.held or self.prefilled
             if self.has_work() and not blocked:  # add() admits what fits an empty cache
                 raise RuntimeError("the scheduler found nothing to run while requests wait")

@@ -63,6 +63,11 @@ class ModelRunner:
                 sampled[row] = token
         return sampled
 
+    @torch.no_grad()
+    def idle(self) -> None:
+        """A step without sequences: an expert-parallel rank's share of its peers' step."""
+        self.model.idle_step()
+
     def read_page(self, block: int) -> torch.Tensor:
         """One page of every layer, `[layers, page_size, 576]` in the cache dtype (CPU)."""
         return torch.stack([layer[block, :, 0] for layer in self.cache.layers]).cpu()

@@ -421,6 +421,15 @@ class Transformer(nn.Module):
         step = StepMetadata.of(batch, cache, self.args.num_attention_heads)
         return self.run_step(batch.input_ids.to(cache.device), step, cache)
 
+    def idle_step(self) -> None:
+        """What an expert-parallel rank without tokens runs while its peers step: every MoE
+        layer's exchange with no rows of its own, so its experts serve the peers' tokens."""
+        weight = self.embed_tokens.weight
+        nothing = weight.new_zeros(0, self.args.hidden_size)
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp(nothing)
+
     def run_step(self, input_ids: torch.Tensor, step: StepMetadata, cache: PagedKVCache):
         """`forward_step` on device tensors alone: what `DecodeGraphs` captures."""
         x = self.embed_tokens(input_ids)

@@ -3,6 +3,10 @@
 `ServeConfig` holds every setting (TOML file, then flags). `--role all` starts a prefill and a
 decode instance as child processes, waits until their health services say SERVING, then runs
 the router in this process; stopping it (Ctrl-C, SIGTERM) stops the children too.
+
+An instance of several ranks (`ranks`) is that many processes, one gRPC server each, joined by
+a gloo group: attention is data-parallel (the router balances over the ranks as over
+instances) and the MoE layers expert-parallel through ep_comm.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import torch
+import torch.distributed as dist
 
 try:
     import tomllib
@@ -64,28 +70,57 @@ class ServeConfig:
     decode_instances: int = 1
     prefill: list[str] = field(default_factory=list)  # the router's instances
     decode: list[str] = field(default_factory=list)
+    ranks: int = 1  # processes per instance: data-parallel attention, expert-parallel MoE
+    rank: int = 0  # this process's rank in its instance (--role all sets it)
+    group_address: str | None = None  # host:port where rank 0 meets the others (the same)
+    group_timeout_s: float = 300.0  # how long a rank waits for its peers before failing
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.ranks < 1 or not 0 <= self.rank < self.ranks:
+            raise ValueError(f"need 0 <= rank < ranks, got rank {self.rank} of {self.ranks}")
+        if self.ranks > 1 and self.role in ("prefill", "decode") and not self.group_address:
+            raise ValueError("an instance of several ranks needs group_address (host:port)")
 
     @property
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        """cuda when available for "auto"; a GPU without an index is the rank's own."""
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.rank % torch.cuda.device_count())
+        return device
+
+    def join_group(self) -> dist.ProcessGroup | None:
+        """This instance's gloo group, once every rank has joined; None for one rank."""
+        if self.ranks == 1:
+            return None
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{self.group_address}",
+            rank=self.rank,
+            world_size=self.ranks,
+            timeout=timedelta(seconds=self.group_timeout_s),
+        )
+        return dist.group.WORLD
 
     def scheduler(self) -> SchedulerConfig:
         """The engine's settings, which ServeConfig holds under the same names."""
         names = [f.name for f in dataclasses.fields(SchedulerConfig)]
         return SchedulerConfig(**{name: getattr(self, name) for name in names})
 
-    def load_model(self) -> M.Model:
+    def load_model(self, group: dist.ProcessGroup | None = None) -> M.Model:
         device = self.torch_device
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = torch.float32
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dtype = torch.bfloat16
         if self.model:
-            return M.from_pretrained(self.model, dtype=dtype, device=device)
-        return M.from_preset(self.preset, seed=self.seed, dtype=dtype, device=device)
+            return M.from_pretrained(self.model, dtype=dtype, device=device, group=group)
+        return M.from_preset(self.preset, seed=self.seed, dtype=dtype, device=device, group=group)
 
     def model_args(self) -> M.ModelArgs:
         if self.model:
@@ -140,16 +175,21 @@ def _server(config: ServeConfig, services: list[str]) -> tuple[grpc.Server, heal
 
 
 def start_instance(config: ServeConfig) -> tuple[grpc.Server, EngineLoop]:
-    """A prefill or decode instance, SERVING once its model is loaded."""
-    engine = Engine(config.load_model(), config.scheduler())
-    loop = EngineLoop(engine, config.hold_seconds)
+    """A prefill or decode instance (one rank of it), SERVING once its model is loaded, and
+    NOT_SERVING for good if its ranks lose each other."""
+    group = config.join_group()
+    engine = Engine(config.load_model(group), config.scheduler())
+    services = ["Prefill", "KvTransfer"] if config.role == "prefill" else ["Decode"]
+    server, health_service = _server(config, services)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    loop = EngineLoop(
+        engine, config.hold_seconds, group, on_failure=lambda: health_service.set("", not_serving)
+    )
     if config.role == "prefill":
-        server, health_service = _server(config, ["Prefill", "KvTransfer"])
         service = PrefillService(loop, config.max_model_len)
         rpc.add_PrefillServicer_to_server(service, server)
         rpc.add_KvTransferServicer_to_server(service, server)
     else:
-        server, health_service = _server(config, ["Decode"])
         rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len), server)
     server.start()
     health_service.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -216,14 +256,18 @@ def wait_serving(address: str, timeout: float, process: subprocess.Popen | None 
     raise RuntimeError(f"{address} was not SERVING within {timeout:g} s")
 
 
-def instance_command(config: ServeConfig, role: str, port: int) -> list[str]:
-    """The command line that starts one instance with this config's model and engine."""
-    command = [sys.executable, "-m", "ref_server", "serve", "--role", role, "--port", str(port)]
+def instance_command(
+    config: ServeConfig, role: str, port: int, rank: int = 0, group_address: str | None = None
+) -> list[str]:
+    """The command line that starts one rank of an instance with this config's model and
+    engine."""
+    launch = dict(role=role, port=port, rank=rank, group_address=group_address)
+    command = [sys.executable, "-m", "ref_server", "serve"]
     for f in dataclasses.fields(ServeConfig):
-        skip = ("role", "port", "metrics_port", "prefill", "decode", "host")
+        skip = ("metrics_port", "prefill", "decode", "host")
         if f.name in skip or f.name.endswith("_instances"):
             continue
-        value = getattr(config, f.name)
+        value = launch[f.name] if f.name in launch else getattr(config, f.name)
         if value is not None:
             command += ["--" + f.name.replace("_", "-"), str(value)]
     return command
@@ -239,10 +283,13 @@ class Deployment:
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
         try:
             for role in roles:
-                port = free_port()
-                address = f"127.0.0.1:{port}"
-                self.children[address] = subprocess.Popen(instance_command(config, role, port))
-                addresses[role].append(address)
+                group_address = f"127.0.0.1:{free_port()}" if config.ranks > 1 else None
+                for rank in range(config.ranks):  # the router balances over every rank
+                    port = free_port()
+                    address = f"127.0.0.1:{port}"
+                    command = instance_command(config, role, port, rank, group_address)
+                    self.children[address] = subprocess.Popen(command)
+                    addresses[role].append(address)
             for address, child in self.children.items():
                 wait_serving(address, startup_timeout, child)
             router = dataclasses.replace(config, role="router", **addresses)
