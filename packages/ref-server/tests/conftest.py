@@ -174,4 +174,4 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
 
 @pytest.fixture
 def serving_checks():
-    return SimpleNamespace(instances_of_two_ranks=instances_of_two_ranks)
+    return SimpleNamespace(instances_of_two_ranks=instances_of_two_ranks, near_greedy=near_greedy)

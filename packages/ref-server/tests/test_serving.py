@@ -3,6 +3,10 @@ router in the test process; outputs against one-process generation (CPU, tiny pr
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -13,7 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ref_server.model as M
 from ref_server.services.client import Client, request
-from ref_server.services.deployment import Deployment, ServeConfig, free_port
+from ref_server.services.deployment import (
+    Deployment,
+    ServeConfig,
+    free_port,
+    instance_command,
+    start_router,
+    wait_serving,
+)
 from ref_server.v1 import serving_pb2 as pb
 
 SEED = 4
@@ -238,3 +249,56 @@ def test_a_rank_that_dies_takes_its_instance_out_of_service():
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         running.stop()
+
+
+def consecutive_free_ports() -> int:
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port + 1)) != 0:
+                return port
+
+
+def test_torchrun_starts_an_instance_of_two_ranks(reference, serving_checks):
+    """`torchrun --nproc-per-node 2 -m ref_server serve --role decode --port P`: two ranks in
+    one group from torchrun's environment, serving on P and P + 1; with a prefill instance
+    and the router, concurrent requests complete with the reference's greedy tokens."""
+    settings = config()
+    port = consecutive_free_ports()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m"]
+    decode_ranks = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    prefill_port = free_port()
+    children = [
+        subprocess.Popen([*torchrun, *instance_command(settings, "decode", port)[2:]]),
+        subprocess.Popen(instance_command(settings, "prefill", prefill_port)),
+    ]
+    try:
+        for address in [*decode_ranks, f"127.0.0.1:{prefill_port}"]:
+            wait_serving(address, 120)
+        router = dataclasses.replace(
+            settings, role="router", prefill=[f"127.0.0.1:{prefill_port}"], decode=decode_ranks
+        )
+        server, service, _ = start_router(router)
+        client = Client(f"127.0.0.1:{settings.port}")
+        prompts = [list(range(3, 3 + n)) for n in (6, 30, 18, 9)]
+        results = [None] * len(prompts)
+
+        def send(i: int) -> None:
+            message = request(token_ids=prompts[i], max_tokens=10)
+            results[i] = client.generate(message, timeout=60).token_ids
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for prompt, completion in zip(prompts, results, strict=True):
+            assert serving_checks.near_greedy(reference, prompt, list(completion))
+        client.close()
+        service.stop.set()
+        server.stop(grace=1).wait()
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait(timeout=30)

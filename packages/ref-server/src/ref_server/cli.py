@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -81,13 +82,16 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve_config(args: argparse.Namespace):
-    from ref_server.services.deployment import ServeConfig, read_config_file
+    from ref_server.services.deployment import ServeConfig, read_config_file, torchrun_values
 
     values = read_config_file(args.config) if args.config else {}
     for f in dataclasses.fields(ServeConfig):
         value = getattr(args, f.name, None)
         if value is not None:
             values[f.name] = value.split(",") if f.name in ("prefill", "decode") else value
+    if values.get("role") in ("prefill", "decode"):
+        port = values.get("port", ServeConfig.port)
+        values |= torchrun_values(dict(os.environ), port)
     return ServeConfig(**values)
 
 

@@ -72,7 +72,7 @@ class ServeConfig:
     decode: list[str] = field(default_factory=list)
     ranks: int = 1  # processes per instance: data-parallel attention, expert-parallel MoE
     rank: int = 0  # this process's rank in its instance (--role all sets it)
-    group_address: str | None = None  # host:port where rank 0 meets the others (the same)
+    group_address: str | None = None  # host:port where the ranks meet; "env": torchrun's
     group_timeout_s: float = 300.0  # how long a rank waits for its peers before failing
 
     def __post_init__(self) -> None:
@@ -98,9 +98,10 @@ class ServeConfig:
         """This instance's gloo group, once every rank has joined; None for one rank."""
         if self.ranks == 1:
             return None
+        address = self.group_address
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{self.group_address}",
+            init_method="env://" if address == "env" else f"tcp://{address}",
             rank=self.rank,
             world_size=self.ranks,
             timeout=timedelta(seconds=self.group_timeout_s),
@@ -128,6 +129,19 @@ class ServeConfig:
         if self.preset not in M.PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; presets: {', '.join(M.PRESETS)}")
         return M.PRESETS[self.preset]
+
+
+def torchrun_values(environ: dict[str, str], port: int) -> dict:
+    """Under torchrun, a worker is one rank of an instance: its rank and group come from the
+    environment, and it serves on `port` + its local rank."""
+    if int(environ.get("WORLD_SIZE", "1")) == 1:
+        return {}
+    return dict(
+        ranks=int(environ["WORLD_SIZE"]),
+        rank=int(environ["RANK"]),
+        group_address="env",
+        port=port + int(environ.get("LOCAL_RANK", environ["RANK"])),
+    )
 
 
 def read_config_file(path: str | Path) -> dict:
