@@ -5,7 +5,7 @@ tests through `serving_checks`."""
 from __future__ import annotations
 
 import json
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -133,6 +133,12 @@ def near_greedy(reference, prompt: list[int], completion: list[int]) -> bool:
     return bool((logits.max(dim=-1).values - chosen <= 0.03 * (logits.max() - logits.min())).all())
 
 
+def generate_together(client: Client, messages: list, timeout: float = 60) -> list:
+    """Every message's Generate result, all sent at once."""
+    with ThreadPoolExecutor(max_workers=len(messages)) as pool:
+        return list(pool.map(lambda message: client.generate(message, timeout=timeout), messages))
+
+
 def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool = True) -> None:
     """Prefill and decode instances of two ranks each: data-parallel attention, MoE layers
     expert-parallel over gloo. Requests sent one at a time all land on rank 0 of each instance
@@ -152,17 +158,8 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
         ]
         for prompt, completion in zip(prompts, alone, strict=True):
             assert len(completion) > 0 and near_greedy(reference, prompt, list(completion))
-        together = [None] * (3 * len(prompts))
-
-        def send(i: int) -> None:
-            message = request(token_ids=prompts[i % len(prompts)], max_tokens=12)
-            together[i] = client.generate(message, timeout=60).token_ids
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(together))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        messages = [request(token_ids=p, max_tokens=12) for p in prompts * 3]
+        together = [r.token_ids for r in generate_together(client, messages)]
         if batch_invariant:
             assert together == alone * 3
         for i, completion in enumerate(together):
@@ -174,4 +171,8 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
 
 @pytest.fixture
 def serving_checks():
-    return SimpleNamespace(instances_of_two_ranks=instances_of_two_ranks, near_greedy=near_greedy)
+    return SimpleNamespace(
+        instances_of_two_ranks=instances_of_two_ranks,
+        near_greedy=near_greedy,
+        generate_together=generate_together,
+    )

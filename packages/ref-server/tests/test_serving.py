@@ -7,7 +7,6 @@ import dataclasses
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -88,19 +87,11 @@ def test_text_in_text_out_and_seeded_sampling(client, reference):
     assert first.text == reference.tokenizer.decode(first.token_ids)
 
 
-def test_64_concurrent_streams_are_all_correct(client, reference):
+def test_64_concurrent_streams_are_all_correct(client, reference, serving_checks):
     prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(64)]
     want = reference.generate(prompts, M.SamplingParams(max_tokens=8))
-    results = [None] * 64
-
-    def send(i):
-        results[i] = client.generate(request(token_ids=prompts[i], max_tokens=8), timeout=120)
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(64)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    messages = [request(token_ids=p, max_tokens=8) for p in prompts]
+    results = serving_checks.generate_together(client, messages, timeout=120)
     assert [r.token_ids for r in results] == want
 
 
@@ -282,19 +273,10 @@ def test_torchrun_starts_an_instance_of_two_ranks(reference, serving_checks):
         server, service, _ = start_router(router)
         client = Client(f"127.0.0.1:{settings.port}")
         prompts = [list(range(3, 3 + n)) for n in (6, 30, 18, 9)]
-        results = [None] * len(prompts)
-
-        def send(i: int) -> None:
-            message = request(token_ids=prompts[i], max_tokens=10)
-            results[i] = client.generate(message, timeout=60).token_ids
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for prompt, completion in zip(prompts, results, strict=True):
-            assert serving_checks.near_greedy(reference, prompt, list(completion))
+        messages = [request(token_ids=p, max_tokens=10) for p in prompts]
+        results = serving_checks.generate_together(client, messages)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert serving_checks.near_greedy(reference, prompt, list(result.token_ids))
         client.close()
         service.stop.set()
         server.stop(grace=1).wait()

@@ -3,7 +3,6 @@ instance sharing the GPU, KV pages copied between them through CUDA IPC."""
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 
 import pytest
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.gpu
 SEED = 6
 
 
-def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc():
+def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(serving_checks):
     config = ServeConfig(
         port=free_port(), metrics_port=free_port(), preset="v2-lite", seed=SEED, device="cuda"
     )
@@ -36,20 +35,12 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc():
             assert got.token_ids == want
         del reference
 
-        results = [None] * 48  # concurrent sampled requests: decode batches of many sizes
-
-        def send(i: int) -> None:
-            message = request(
-                text=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i
-            )
-            results[i] = client.generate(message, timeout=300)
-
-        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(results))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert all(r is not None and 1 <= r.usage.completion_tokens <= 32 for r in results)
+        messages = [  # sampled, of many lengths: decode batches of many sizes
+            request(text=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
+            for i in range(48)
+        ]
+        results = serving_checks.generate_together(client, messages, timeout=300)
+        assert all(1 <= r.usage.completion_tokens <= 32 for r in results)
         url = f"http://127.0.0.1:{config.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=5).read().decode()
         assert 'ref_server_kv_transfer_bytes_total{method="cuda_ipc"}' in text
