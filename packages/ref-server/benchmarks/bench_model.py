@@ -63,15 +63,11 @@ def step_cost(args: M.ModelArgs, batch: int, new: int, context: int, cache_bytes
     """(FLOPs, bytes) of one step: `batch` sequences, `new` tokens each, `context` cached after."""
     h, heads, layers = args.hidden_size, args.num_attention_heads, args.num_hidden_layers
     moe_layers = layers - args.first_k_dense_replace
-    active = args.num_parameters(active=True) - args.vocab_size * h  # the embedding is a lookup
     tokens = batch * new
-    flops = 2 * active * tokens
-    if new == 1:  # absorbed decode
-        flops += 2 * layers * batch * heads * (576 + 512) * context
+    if new == 1:  # absorbed decode: products 576 and 512 wide over the latent cache
+        flops = args.matmul_flops(batch) + 2 * layers * batch * heads * (576 + 512) * context
     else:
-        flops += (
-            2 * layers * batch * heads * (args.qk_head_dim + args.v_head_dim) * new * context / 2
-        )
+        flops = batch * args.prefill_flops(new, context - new)
     reachable = min(args.n_routed_experts, tokens * args.num_experts_per_tok)
     unreached = (args.n_routed_experts - reachable) * args.expert_parameters()
     weights = (args.num_parameters() - moe_layers * unreached - args.vocab_size * h) * 2

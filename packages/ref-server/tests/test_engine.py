@@ -196,6 +196,22 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert first == [tiny.generate([p], params)[0] for p in PROMPTS[:2]]
 
 
+def test_queued_prefill_flops_follow_the_prompts_still_to_compute(tiny):
+    args = tiny.args
+    config = SchedulerConfig(
+        num_blocks=32, block_size=16, max_num_batched_tokens=100, max_model_len=256
+    )
+    engine = Engine(tiny, config)
+    for prompt in PROMPTS[2:]:  # 148 and 70 tokens
+        engine.add(prompt, SamplingParams(max_tokens=2))
+    assert engine.queued_prefill_flops() == args.prefill_flops(148) + args.prefill_flops(70)
+    engine.step()  # the first 100 tokens of the first prompt
+    assert engine.queued_prefill_flops() == args.prefill_flops(48, 100) + args.prefill_flops(70)
+    while engine.has_work():
+        engine.step()
+    assert engine.queued_prefill_flops() == 0
+
+
 def test_prefix_hashes_chain():
     a, b = prefix_hashes([1, 2, 3, 4], 2), prefix_hashes([9, 9, 3, 4], 2)
     assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same page, different prefix

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils.flop_counter import FlopCounterMode
 
 import ref_server.model as M
 from ep_comm.testing import run_ranks
@@ -173,6 +174,25 @@ def test_sampling_depends_on_seed_and_position_only():
     assert sample(logits, params, [q + 1 for q in positions]) != together
     greedy = [SamplingParams(), *params[1:]]
     assert sample(logits, greedy, positions)[0] == int(logits[0].argmax())
+
+
+def test_prefill_flops_count_what_the_model_computes():
+    """Against torch's FLOP counter on a full pass of the tiny model on the CPU: the matmuls
+    within 1 % (norm weights are parameters but not matmuls), attention exactly (the CPU's
+    SDPA multiplies whole T x T squares, prefill_flops counts the causal T (T + 1) / 2)."""
+    model = M.from_preset("tiny", seed=0)
+    args, t = model.args, 40
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(2, args.vocab_size, (1, t)))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(counts) == {"aten.mm", "aten.bmm"}
+    assert counts["aten.mm"] == pytest.approx(args.matmul_flops(t), rel=0.01)
+    attention = args.prefill_flops(t) - args.matmul_flops(t)
+    assert counts["aten.bmm"] == pytest.approx(attention * 2 * t / (t + 1), rel=1e-12)
+    per_pair = attention / (t * (t + 1) / 2)
+    assert args.prefill_flops(3, 5) - args.prefill_flops(3) == pytest.approx(
+        15 * per_pair
+    )  # 3 x 5 more
 
 
 def test_presets_and_their_sizes():

@@ -9,10 +9,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent import futures
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import ref_server.model as M
 from ref_server.services.client import Client, request
@@ -24,7 +25,10 @@ from ref_server.services.deployment import (
     start_router,
     wait_serving,
 )
+from ref_server.services.metrics import Metrics
+from ref_server.services.router import ModelFacts, RouterService
 from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
 
 SEED = 4
 
@@ -284,3 +288,42 @@ def test_torchrun_starts_an_instance_of_two_ranks(reference, serving_checks):
         for child in children:
             child.terminate()
             child.wait(timeout=30)
+
+
+class ReportingPrefill(rpc.PrefillServicer):
+    """A prefill instance that only reports: a cached prefix of some pages, and queued work."""
+
+    def __init__(self, cached_pages: int, queued_flops: float) -> None:
+        self.cached_pages, self.queued_flops = cached_pages, queued_flops
+
+    def PrefixMatch(self, request, context):
+        return pb.PrefixMatchResponse(cached_pages=min(self.cached_pages, len(request.page_hashes)))
+
+    def GetLoad(self, request, context):
+        return pb.WorkerLoad(queued_flops=self.queued_flops)
+
+
+def test_the_prefill_balancer_prefers_a_cached_prefix_then_the_least_queued_work():
+    reporting = [ReportingPrefill(0, 5e12), ReportingPrefill(0, 1e9), ReportingPrefill(2, 9e12)]
+    servers, addresses = [], []
+    for servicer in reporting:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        rpc.add_PrefillServicer_to_server(servicer, server)
+        health_service = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    facts = ModelFacts("fake", 512, 512, 3, 1, [], page_size=16, page_bytes=1)
+    router = RouterService(addresses, ["127.0.0.1:1"], facts, None, Metrics())
+    try:
+        prompt = list(range(100))
+        assert router.pick_prefill(prompt).address == addresses[2]  # two pages cached there
+        reporting[2].cached_pages = 0
+        assert router.pick_prefill(prompt).address == addresses[1]  # the least work queued
+        reporting[1].queued_flops = 6e12
+        assert router.pick_prefill(prompt).address == addresses[0]
+    finally:
+        router.stop.set()
+        for server in servers:
+            server.stop(grace=0)

@@ -92,6 +92,12 @@ class Engine:
                 return seq
         return self.scheduler.abort(request_id)
 
+    def queued_prefill_flops(self) -> float:
+        """The prefill work this engine has yet to run: waiting prompts and unfinished chunks."""
+        scheduler, args = self.scheduler, self.model.args
+        queued = [*scheduler.waiting, *(s for s in scheduler.running if s.num_uncomputed > 1)]
+        return sum(args.prefill_flops(s.num_uncomputed, s.num_computed) for s in queued)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.prefilled)
 

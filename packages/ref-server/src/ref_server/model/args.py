@@ -107,6 +107,18 @@ class ModelArgs:
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + heads * self.v_head_dim * h + 2 * h
 
+    def matmul_flops(self, tokens: int) -> float:
+        """Every active parameter twice per token (the embedding is a lookup, not a matmul)."""
+        return 2 * (self.num_parameters(active=True) - self.vocab_size * self.hidden_size) * tokens
+
+    def prefill_flops(self, new: int, cached: int = 0) -> float:
+        """FLOPs of computing `new` tokens after `cached` ones: the matmuls, and attention on
+        the decompressed heads over each new token's context (scores and values)."""
+        pairs = new * cached + new * (new + 1) / 2
+        width = self.qk_head_dim + self.v_head_dim
+        attention = 2 * self.num_hidden_layers * self.num_attention_heads * width * pairs
+        return self.matmul_flops(new) + attention
+
     def expert_parameters(self) -> int:
         return 3 * self.hidden_size * self.moe_intermediate_size
 

@@ -110,6 +110,7 @@ class EngineLoop:
             waiting=len(scheduler.waiting),
             kv_usage=scheduler.blocks.usage,
             queued_tokens=sum(len(s.prompt) for s in scheduler.waiting),
+            queued_flops=self.engine.queued_prefill_flops(),
         )
 
     def _run(self) -> None:

@@ -113,8 +113,9 @@ class RouterService(rpc.RouterServicer):
         return worker.stub.GetLoad(pb.GetLoadRequest(), timeout=2)
 
     def pick_prefill(self, prompt: list[int]) -> Worker:
-        """The prefill instance caching the longest prefix of `prompt`, then the least queued;
-        its `assigned` count already includes this request."""
+        """The prefill instance caching the longest prefix of `prompt`, then the one with the
+        least prefill work queued (matmuls and attention, in FLOPs); its `assigned` count
+        already includes this request."""
         hashes = prefix_hashes(prompt[:-1], self.model.page_size)
         candidates = []
         for worker in self._healthy("prefill"):
@@ -128,7 +129,7 @@ class RouterService(rpc.RouterServicer):
             raise LookupError("no healthy prefill instance")
         with self.lock:  # concurrent picks see each other's choices
             worker, _, _ = min(
-                candidates, key=lambda c: (-c[1], c[2].queued_tokens, c[0].assigned, c[2].running)
+                candidates, key=lambda c: (-c[1], c[2].queued_flops, c[0].assigned, c[2].running)
             )
             worker.assigned += 1
         return worker

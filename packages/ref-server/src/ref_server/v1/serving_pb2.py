@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bref_server/v1/serving.proto\x12\rref_server.v1\"\x9a\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x42\x08\n\x06_top_p\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"c\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.CompleteH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.ref_server.v1.ErrorH\x00\x42\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x16\n\x0enum_parameters\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\x16\n\x14GetServerInfoRequest\"e\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.ref_server.v1.WorkerLoad\"8\n\nServerInfo\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.ref_server.v1.WorkerInfo\"W\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x03\"\x10\n\x0eGetLoadRequest\")\n\x12PrefixMatchRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\"+\n\x13PrefixMatchResponse\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x01 \x01(\x05\"h\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\"\x97\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\" \n\x0bPullRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"4\n\x06KvPage\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x13\n\x11ShareCacheRequest\"\x91\x02\n\rCudaIpcTensor\x12\x0c\n\x04size\x18\x01 \x03(\x03\x12\x0e\n\x06stride\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x12\x0e\n\x06handle\x18\x06 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x07 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\t \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\n \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x0b \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0c \x01(\x08\"^\n\x0bSharedCache\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12,\n\x06layers\x18\x03 \x03(\x0b\x32\x1c.ref_server.v1.CudaIpcTensor\",\n\x08KvBlocks\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x05\"#\n\x0eReleaseRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x11\n\tkv_handle\x18\x06 \x01(\t\"\x8d\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12\x34\n\x0bkv_transfer\x18\x03 \x01(\x0e\x32\x1f.ref_server.v1.KvTransferMethod*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*t\n\x10KvTransferMethod\x12\"\n\x1eKV_TRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_TRANSFER_METHOD_GRPC\x10\x01\x12\x1f\n\x1bKV_TRANSFER_METHOD_CUDA_IPC\x10\x02\x32\xba\x02\n\x06Router\x12M\n\x08Generate\x12\x1e.ref_server.v1.GenerateRequest\x1a\x1f.ref_server.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.ref_server.v1.AbortRequest\x1a\x1c.ref_server.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".ref_server.v1.GetModelInfoRequest\x1a\x18.ref_server.v1.ModelInfo\x12O\n\rGetServerInfo\x12#.ref_server.v1.GetServerInfoRequest\x1a\x19.ref_server.v1.ServerInfo2\xee\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.ref_server.v1.PrefillRequest\x1a\x1e.ref_server.v1.PrefillResponse\x12\x43\n\x07GetLoad\x12\x1d.ref_server.v1.GetLoadRequest\x1a\x19.ref_server.v1.WorkerLoad\x12T\n\x0bPrefixMatch\x12!.ref_server.v1.PrefixMatchRequest\x1a\".ref_server.v1.PrefixMatchResponse2\x9e\x02\n\nKvTransfer\x12;\n\x04Pull\x12\x1a.ref_server.v1.PullRequest\x1a\x15.ref_server.v1.KvPage0\x01\x12H\n\x07Release\x12\x1d.ref_server.v1.ReleaseRequest\x1a\x1e.ref_server.v1.ReleaseResponse\x12J\n\nShareCache\x12 .ref_server.v1.ShareCacheRequest\x1a\x1a.ref_server.v1.SharedCache\x12=\n\x06Locate\x12\x1a.ref_server.v1.PullRequest\x1a\x17.ref_server.v1.KvBlocks2\xda\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.ref_server.v1.DecodeRequest\x1a\x1d.ref_server.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.ref_server.v1.AbortRequest\x1a\x1c.ref_server.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.ref_server.v1.GetLoadRequest\x1a\x19.ref_server.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bref_server/v1/serving.proto\x12\rref_server.v1\"\x9a\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x42\x08\n\x06_top_p\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"c\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.CompleteH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.ref_server.v1.ErrorH\x00\x42\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x16\n\x0enum_parameters\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\x16\n\x14GetServerInfoRequest\"e\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.ref_server.v1.WorkerLoad\"8\n\nServerInfo\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.ref_server.v1.WorkerInfo\"m\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x03\x12\x14\n\x0cqueued_flops\x18\x05 \x01(\x01\"\x10\n\x0eGetLoadRequest\")\n\x12PrefixMatchRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\"+\n\x13PrefixMatchResponse\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x01 \x01(\x05\"h\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\"\x97\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\" \n\x0bPullRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"4\n\x06KvPage\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x13\n\x11ShareCacheRequest\"\x91\x02\n\rCudaIpcTensor\x12\x0c\n\x04size\x18\x01 \x03(\x03\x12\x0e\n\x06stride\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x12\x0e\n\x06handle\x18\x06 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x07 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\t \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\n \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x0b \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0c \x01(\x08\"^\n\x0bSharedCache\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12,\n\x06layers\x18\x03 \x03(\x0b\x32\x1c.ref_server.v1.CudaIpcTensor\",\n\x08KvBlocks\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x05\"#\n\x0eReleaseRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\xa8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x11\n\tkv_handle\x18\x06 \x01(\t\"\x8d\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12\x34\n\x0bkv_transfer\x18\x03 \x01(\x0e\x32\x1f.ref_server.v1.KvTransferMethod*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*t\n\x10KvTransferMethod\x12\"\n\x1eKV_TRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_TRANSFER_METHOD_GRPC\x10\x01\x12\x1f\n\x1bKV_TRANSFER_METHOD_CUDA_IPC\x10\x02\x32\xba\x02\n\x06Router\x12M\n\x08Generate\x12\x1e.ref_server.v1.GenerateRequest\x1a\x1f.ref_server.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.ref_server.v1.AbortRequest\x1a\x1c.ref_server.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".ref_server.v1.GetModelInfoRequest\x1a\x18.ref_server.v1.ModelInfo\x12O\n\rGetServerInfo\x12#.ref_server.v1.GetServerInfoRequest\x1a\x19.ref_server.v1.ServerInfo2\xee\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.ref_server.v1.PrefillRequest\x1a\x1e.ref_server.v1.PrefillResponse\x12\x43\n\x07GetLoad\x12\x1d.ref_server.v1.GetLoadRequest\x1a\x19.ref_server.v1.WorkerLoad\x12T\n\x0bPrefixMatch\x12!.ref_server.v1.PrefixMatchRequest\x1a\".ref_server.v1.PrefixMatchResponse2\x9e\x02\n\nKvTransfer\x12;\n\x04Pull\x12\x1a.ref_server.v1.PullRequest\x1a\x15.ref_server.v1.KvPage0\x01\x12H\n\x07Release\x12\x1d.ref_server.v1.ReleaseRequest\x1a\x1e.ref_server.v1.ReleaseResponse\x12J\n\nShareCache\x12 .ref_server.v1.ShareCacheRequest\x1a\x1a.ref_server.v1.SharedCache\x12=\n\x06Locate\x12\x1a.ref_server.v1.PullRequest\x1a\x17.ref_server.v1.KvBlocks2\xda\x01\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.ref_server.v1.DecodeRequest\x1a\x1d.ref_server.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.ref_server.v1.AbortRequest\x1a\x1c.ref_server.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.ref_server.v1.GetLoadRequest\x1a\x19.ref_server.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ref_server.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2580
-  _globals['_FINISHREASON']._serialized_end=2700
-  _globals['_KVTRANSFERMETHOD']._serialized_start=2702
-  _globals['_KVTRANSFERMETHOD']._serialized_end=2818
+  _globals['_FINISHREASON']._serialized_start=2602
+  _globals['_FINISHREASON']._serialized_end=2722
+  _globals['_KVTRANSFERMETHOD']._serialized_start=2724
+  _globals['_KVTRANSFERMETHOD']._serialized_end=2840
   _globals['_SAMPLINGPARAMS']._serialized_start=47
   _globals['_SAMPLINGPARAMS']._serialized_end=201
   _globals['_TOKENIDS']._serialized_start=203
@@ -66,43 +66,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERINFO']._serialized_start=1169
   _globals['_SERVERINFO']._serialized_end=1225
   _globals['_WORKERLOAD']._serialized_start=1227
-  _globals['_WORKERLOAD']._serialized_end=1314
-  _globals['_GETLOADREQUEST']._serialized_start=1316
-  _globals['_GETLOADREQUEST']._serialized_end=1332
-  _globals['_PREFIXMATCHREQUEST']._serialized_start=1334
-  _globals['_PREFIXMATCHREQUEST']._serialized_end=1375
-  _globals['_PREFIXMATCHRESPONSE']._serialized_start=1377
-  _globals['_PREFIXMATCHRESPONSE']._serialized_end=1420
-  _globals['_PREFILLREQUEST']._serialized_start=1422
-  _globals['_PREFILLREQUEST']._serialized_end=1526
-  _globals['_PREFILLRESPONSE']._serialized_start=1529
-  _globals['_PREFILLRESPONSE']._serialized_end=1680
-  _globals['_PULLREQUEST']._serialized_start=1682
-  _globals['_PULLREQUEST']._serialized_end=1714
-  _globals['_KVPAGE']._serialized_start=1716
-  _globals['_KVPAGE']._serialized_end=1768
-  _globals['_SHARECACHEREQUEST']._serialized_start=1770
-  _globals['_SHARECACHEREQUEST']._serialized_end=1789
-  _globals['_CUDAIPCTENSOR']._serialized_start=1792
-  _globals['_CUDAIPCTENSOR']._serialized_end=2065
-  _globals['_SHAREDCACHE']._serialized_start=2067
-  _globals['_SHAREDCACHE']._serialized_end=2161
-  _globals['_KVBLOCKS']._serialized_start=2163
-  _globals['_KVBLOCKS']._serialized_end=2207
-  _globals['_RELEASEREQUEST']._serialized_start=2209
-  _globals['_RELEASEREQUEST']._serialized_end=2244
-  _globals['_RELEASERESPONSE']._serialized_start=2246
-  _globals['_RELEASERESPONSE']._serialized_end=2263
-  _globals['_DECODEREQUEST']._serialized_start=2266
-  _globals['_DECODEREQUEST']._serialized_end=2434
-  _globals['_DECODERESPONSE']._serialized_start=2437
-  _globals['_DECODERESPONSE']._serialized_end=2578
-  _globals['_ROUTER']._serialized_start=2821
-  _globals['_ROUTER']._serialized_end=3135
-  _globals['_PREFILL']._serialized_start=3138
-  _globals['_PREFILL']._serialized_end=3376
-  _globals['_KVTRANSFER']._serialized_start=3379
-  _globals['_KVTRANSFER']._serialized_end=3665
-  _globals['_DECODE']._serialized_start=3668
-  _globals['_DECODE']._serialized_end=3886
+  _globals['_WORKERLOAD']._serialized_end=1336
+  _globals['_GETLOADREQUEST']._serialized_start=1338
+  _globals['_GETLOADREQUEST']._serialized_end=1354
+  _globals['_PREFIXMATCHREQUEST']._serialized_start=1356
+  _globals['_PREFIXMATCHREQUEST']._serialized_end=1397
+  _globals['_PREFIXMATCHRESPONSE']._serialized_start=1399
+  _globals['_PREFIXMATCHRESPONSE']._serialized_end=1442
+  _globals['_PREFILLREQUEST']._serialized_start=1444
+  _globals['_PREFILLREQUEST']._serialized_end=1548
+  _globals['_PREFILLRESPONSE']._serialized_start=1551
+  _globals['_PREFILLRESPONSE']._serialized_end=1702
+  _globals['_PULLREQUEST']._serialized_start=1704
+  _globals['_PULLREQUEST']._serialized_end=1736
+  _globals['_KVPAGE']._serialized_start=1738
+  _globals['_KVPAGE']._serialized_end=1790
+  _globals['_SHARECACHEREQUEST']._serialized_start=1792
+  _globals['_SHARECACHEREQUEST']._serialized_end=1811
+  _globals['_CUDAIPCTENSOR']._serialized_start=1814
+  _globals['_CUDAIPCTENSOR']._serialized_end=2087
+  _globals['_SHAREDCACHE']._serialized_start=2089
+  _globals['_SHAREDCACHE']._serialized_end=2183
+  _globals['_KVBLOCKS']._serialized_start=2185
+  _globals['_KVBLOCKS']._serialized_end=2229
+  _globals['_RELEASEREQUEST']._serialized_start=2231
+  _globals['_RELEASEREQUEST']._serialized_end=2266
+  _globals['_RELEASERESPONSE']._serialized_start=2268
+  _globals['_RELEASERESPONSE']._serialized_end=2285
+  _globals['_DECODEREQUEST']._serialized_start=2288
+  _globals['_DECODEREQUEST']._serialized_end=2456
+  _globals['_DECODERESPONSE']._serialized_start=2459
+  _globals['_DECODERESPONSE']._serialized_end=2600
+  _globals['_ROUTER']._serialized_start=2843
+  _globals['_ROUTER']._serialized_end=3157
+  _globals['_PREFILL']._serialized_start=3160
+  _globals['_PREFILL']._serialized_end=3398
+  _globals['_KVTRANSFER']._serialized_start=3401
+  _globals['_KVTRANSFER']._serialized_end=3687
+  _globals['_DECODE']._serialized_start=3690
+  _globals['_DECODE']._serialized_end=3908
 # @@protoc_insertion_point(module_scope)
