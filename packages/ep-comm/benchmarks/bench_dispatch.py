@@ -1,13 +1,16 @@
 """Normal-mode dispatch and combine throughput in DeepEP's setting, with its byte accounting.
 
     python benchmarks/bench_dispatch.py [--world 8] [--device cuda] [--json results.json]
+                                        [--gpu-per-rank [--process-group nccl]]
 
 4096 tokens per rank, hidden 7168, top-8 of 256 experts (uniform random routing, as DeepEP's
 test). Bytes per rank: received rows x hidden x 2 for BF16 dispatch and for combine; FP8
 dispatch counts BF16 bytes x (1 + 4/128) / 2. Each call is timed on every rank between two
 barriers; a rank's GB/s is its bytes over its median time. The anchor is DeepEP's intranode EP8
-on H800 NVLink. All ranks run on one machine: on one GPU they share its memory and, with the
-torch backend over gloo, data moves through host memory and loopback TCP - not NVLink.
+on H800 NVLink. All ranks run on one machine: by default on one GPU, sharing its memory, and
+with the torch backend over gloo data moves through host memory and loopback TCP - not NVLink.
+With --gpu-per-rank rank r runs on GPU r (the NVLink figures, on a machine of `--world` GPUs),
+and --process-group nccl puts the torch backend on NCCL.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from ep_comm.testing import per_token_cast_to_fp8, run_ranks
 
 DEEPEP_H800_EP8 = {"dispatch_bf16": 153.0, "dispatch_fp8": 153.0, "combine": 158.0}
 FP8_FACTOR = (1 + 4 / 128) / 2
+TORCH_OVER = {
+    "gloo": "gloo: CUDA tensors staged through host memory and loopback TCP",
+    "nccl": "NCCL",
+}
 
 
 def _timed(fn, device: str, reps: int) -> list[float]:
@@ -107,19 +114,26 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", default=os.environ.get("EP_COMM_BENCH_JSON"))
+    parser.add_argument("--gpu-per-rank", action="store_true", help="rank r on GPU r")
+    parser.add_argument("--process-group", choices=["gloo", "nccl"], default="gloo")
     args = parser.parse_args()
+    if args.gpu_per_rank and torch.cuda.device_count() < args.world:
+        parser.error(f"--gpu-per-rank needs {args.world} GPUs, found {torch.cuda.device_count()}")
+    if args.process_group == "nccl" and not args.gpu_per_rank:
+        parser.error("--process-group nccl needs --gpu-per-rank (NCCL takes one GPU per rank)")
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    placement = "host tensors"
+    if args.device == "cuda":
+        placement = "one GPU per rank" if args.gpu_per_rank else "one GPU shared by all ranks"
     print(
-        f"ep-comm normal mode: {args.world} ranks on one machine ({where}, "
-        f"{'one GPU shared by all ranks' if args.device == 'cuda' else 'host tensors'}); "
+        f"ep-comm normal mode: {args.world} ranks on one machine ({where}, {placement}); "
         f"{args.tokens} tokens x hidden {args.hidden}, top-{args.topk} of {args.experts} experts"
     )
     if args.device == "cuda":
-        print(
-            "  backends: cuda (our kernels over CUDA IPC; on one GPU all ranks share its HBM) and "
-            "torch (gloo: CUDA tensors staged through host memory and loopback TCP)"
-        )
-        print("  on one shared GPU these figures measure HBM copies and host hops, not NVLink")
+        torch_how = TORCH_OVER[args.process_group]
+        print(f"  backends: cuda (our kernels over CUDA IPC) and torch ({torch_how})")
+        if not args.gpu_per_rank:
+            print("  on one shared GPU these figures measure HBM copies and host hops, not NVLink")
         ceiling = copy_ceiling_gbps()
         print(f"  copy ceiling (one process, read + write): {ceiling:.0f} GB/s")
     else:
@@ -134,7 +148,9 @@ def main() -> None:
         args.topk,
         args.experts,
         args.reps,
+        backend=args.process_group,
         limit=1800,
+        gpu_per_rank=args.gpu_per_rank,
     )
     backends = [b for b in ("cuda", "torch") if b in results[0]]
     summary = {}

@@ -66,20 +66,24 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 60.0,
     limit: float = 300.0,
+    gpu_per_rank: bool = False,
 ) -> list:
     """Run `function(rank, world_size, group, *args)` from the file `module_path` in
     `world_size` spawned processes joined in a process group; return each rank's result.
 
     Any rank's exception fails the call with every failing rank's traceback; a rank still
     running after `limit` seconds is killed and reported. `timeout` is the process group's.
+    With CUDA, every rank uses GPU `EP_COMM_TEST_DEVICE` (0), or with `gpu_per_rank` GPU
+    rank mod the GPU count (NCCL needs one per rank).
     """
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
+    where = (module_path, function)
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, port, backend, timeout, module_path, function, args, results),
+            args=(rank, world_size, port, backend, timeout, gpu_per_rank, *where, args, results),
             daemon=True,
         )
         for rank in range(world_size)
@@ -105,10 +109,13 @@ def run_ranks(
     return [outcomes[r][1] for r in range(world_size)]
 
 
-def _rank_main(rank, world_size, port, backend, timeout, module_path, function, args, results):
+def _rank_main(
+    rank, world_size, port, backend, timeout, gpu_per_rank, module_path, function, args, results
+):
     try:
         if backend == "nccl" or torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("EP_COMM_TEST_DEVICE", "0")))
+            shared = int(os.environ.get("EP_COMM_TEST_DEVICE", "0"))
+            torch.cuda.set_device(rank % torch.cuda.device_count() if gpu_per_rank else shared)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",

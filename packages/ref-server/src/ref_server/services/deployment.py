@@ -271,11 +271,18 @@ def wait_serving(address: str, timeout: float, process: subprocess.Popen | None 
 
 
 def instance_command(
-    config: ServeConfig, role: str, port: int, rank: int = 0, group_address: str | None = None
+    config: ServeConfig,
+    role: str,
+    port: int,
+    rank: int = 0,
+    group_address: str | None = None,
+    device: str | None = None,
 ) -> list[str]:
     """The command line that starts one rank of an instance with this config's model and
-    engine."""
+    engine (on `device` if given, else the config's)."""
     launch = dict(role=role, port=port, rank=rank, group_address=group_address)
+    if device is not None:
+        launch["device"] = device
     command = [sys.executable, "-m", "ref_server", "serve"]
     for f in dataclasses.fields(ServeConfig):
         skip = ("metrics_port", "prefill", "decode", "host")
@@ -288,20 +295,25 @@ def instance_command(
 
 
 class Deployment:
-    """Prefill and decode instances as child processes, and the router in this process."""
+    """Prefill and decode instances as child processes, and the router in this process. On
+    GPUs (device auto or cuda), the n-th rank started, counting over instances, runs on GPU
+    n mod the GPU count: on 8 GPUs a prefill and a decode instance of 4 ranks each take
+    GPUs 0-3 and 4-7; on one GPU they all share it."""
 
     def __init__(self, config: ServeConfig, startup_timeout: float = 600.0) -> None:
         self.config = config
         self.children: dict[str, subprocess.Popen] = {}  # by address
         roles = ["prefill"] * config.prefill_instances + ["decode"] * config.decode_instances
         addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+        gpus = torch.cuda.device_count() if config.device in ("auto", "cuda") else 0
         try:
             for role in roles:
                 group_address = f"127.0.0.1:{free_port()}" if config.ranks > 1 else None
                 for rank in range(config.ranks):  # the router balances over every rank
                     port = free_port()
                     address = f"127.0.0.1:{port}"
-                    command = instance_command(config, role, port, rank, group_address)
+                    device = f"cuda:{len(self.children) % gpus}" if gpus else None
+                    command = instance_command(config, role, port, rank, group_address, device)
                     self.children[address] = subprocess.Popen(command)
                     addresses[role].append(address)
             for address, child in self.children.items():
