@@ -36,9 +36,8 @@ class ModelRunner:
             ids += seq.tokens[seq.num_computed : seq.num_computed + chunk]
             context.append(seq.num_computed + chunk)
         width = max(len(seq.block_table) for seq in step.seqs)
-        table = torch.zeros(len(step.seqs), width, dtype=torch.int32)
-        for row, seq in enumerate(step.seqs):
-            table[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
+        table = torch.tensor(rows, dtype=torch.int32)
         return StepBatch(torch.tensor(ids, device=self.device), list(step.chunks), context, table)
 
     @torch.no_grad()

@@ -77,6 +77,11 @@ class ModelArgs:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def cache_width(self) -> int:
+        """Values per token per layer in the latent cache: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
     def softmax_scale(self) -> float:
         scale = self.qk_head_dim**-0.5
         if self.rope_factor > 1 and self.mscale_all_dim:
@@ -103,7 +108,7 @@ class ModelArgs:
         q = h * heads * self.qk_head_dim
         if self.q_lora_rank:
             q = h * self.q_lora_rank + self.q_lora_rank * (heads * self.qk_head_dim + 1)
-        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv = h * self.cache_width + self.kv_lora_rank
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + heads * self.v_head_dim * h + 2 * h
 

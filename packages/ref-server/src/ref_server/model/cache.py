@@ -9,6 +9,7 @@ manager, or `generate`'s contiguous allocation), given as a block table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -35,8 +36,7 @@ class PagedKVCache:
         # One block past the others that no sequence owns: the padding rows of a CUDA-graph
         # decode step (`DecodeGraphs`) write and read there.
         self.padding_block = num_blocks
-        width = args.kv_lora_rank + args.qk_rope_head_dim
-        shape = (num_blocks + 1, page_size, 1, width)
+        shape = (num_blocks + 1, page_size, 1, args.cache_width)
         # [num_blocks + 1, page_size, 1, 576] per layer
         self.layers = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
@@ -80,6 +80,7 @@ class StepBatch:
         return all(q == 1 for q in self.query_lens)
 
     # Both on the CPU, from the Python lists: on the GPU they would wait for it.
+    @cached_property
     def positions(self) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's position in its sequence."""
         lens = zip(self.query_lens, self.context_lens, strict=True)
@@ -87,7 +88,7 @@ class StepBatch:
 
     def slot_mapping(self, page_size: int) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's cache row, `block * page_size + offset`."""
-        positions = self.positions()
+        positions = self.positions
         owner = torch.repeat_interleave(
             torch.arange(len(self.query_lens)), torch.tensor(self.query_lens)
         )

@@ -80,7 +80,7 @@ class DecodeGraphs:
         pad, page = self.cache.padding_block, self.cache.page_size
         for static, rows, fill in (
             (self.input_ids, batch.input_ids, 0),
-            (self.positions, batch.positions(), 0),
+            (self.positions, batch.positions, 0),
             (self.slot_mapping, batch.slot_mapping(page), pad * page),
             (self.block_table[:, :width], batch.block_table, pad),
         ):

@@ -107,9 +107,7 @@ class Attention(nn.Module):
             self.q_b_proj = nn.Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(h, heads * args.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            h, args.kv_lora_rank + args.qk_rope_head_dim, bias=False
-        )
+        self.kv_a_proj_with_mqa = nn.Linear(h, args.cache_width, bias=False)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         kv_width = args.qk_nope_head_dim + args.v_head_dim
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
@@ -370,7 +368,7 @@ class StepMetadata:
     @classmethod
     def of(cls, batch: StepBatch, cache: PagedKVCache, heads: int) -> StepMetadata:
         device = cache.device
-        positions = batch.positions().to(device)
+        positions = batch.positions.to(device)
         slot_mapping = batch.slot_mapping(cache.page_size).to(device)
         block_table = batch.block_table.to(device=device, dtype=torch.int32)
         if batch.is_decode:

@@ -213,9 +213,7 @@ def start_instance(config: ServeConfig) -> tuple[grpc.Server, EngineLoop]:
 def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
     args = config.model_args()
     tokenizer = M.load_tokenizer(args, config.model)
-    page_bytes = (
-        args.num_hidden_layers * config.block_size * (args.kv_lora_rank + args.qk_rope_head_dim) * 2
-    )
+    page_bytes = args.num_hidden_layers * config.block_size * args.cache_width * 2
     facts = ModelFacts(
         name=config.model or config.preset,
         vocab_size=args.vocab_size,

@@ -114,8 +114,7 @@ class DecodeService(rpc.DecodeServicer):
         self.loop = loop
         self.max_tokens_limit = max_tokens_limit
         args, config = loop.engine.model.args, loop.engine.scheduler.config
-        width = args.kv_lora_rank + args.qk_rope_head_dim
-        page_shape = (args.num_hidden_layers, config.block_size, width)
+        page_shape = (args.num_hidden_layers, config.block_size, args.cache_width)
         self.kv = KvPuller(page_shape, loop.engine.runner.device)
 
     def Decode(self, request, context):
