@@ -1,10 +1,11 @@
 """Tiny DeepSeek-V3 checkpoints written by `transformers` (the independent reference), for
-tests through the `checkpoints` fixture; deployment checks shared by the CPU and GPU serving
-tests through `serving_checks`."""
+tests through the `checkpoints` fixture; deployment helpers shared by the CPU and GPU serving
+tests through `serving`."""
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ref_server.services.client import Client, request
-from ref_server.services.deployment import Deployment, ServeConfig
+from ref_server.client import Client
+from ref_server.services.config import ServeConfig
+from ref_server.services.deployment import Deployment, free_port
 
 YARN = dict(
     rope_type="yarn",
@@ -133,10 +135,52 @@ def near_greedy(reference, prompt: list[int], completion: list[int]) -> bool:
     return bool((logits.max(dim=-1).values - chosen <= 0.03 * (logits.max() - logits.min())).all())
 
 
-def generate_together(client: Client, messages: list, timeout: float = 60) -> list:
-    """Every message's Generate result, all sent at once."""
-    with ThreadPoolExecutor(max_workers=len(messages)) as pool:
-        return list(pool.map(lambda message: client.generate(message, timeout=timeout), messages))
+def generate_together(client: Client, requests: list[dict], timeout: float = 60) -> list:
+    """Every request's result (each a dict of Client.generate keywords), all sent at once."""
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        return list(pool.map(lambda kw: client.generate(timeout=timeout, **kw), requests))
+
+
+def tiny_config(**overrides) -> ServeConfig:
+    """The tiny preset on CPU, small pages (so prompts span several), free ports, health
+    checked often (so tests see changes quickly)."""
+    values = dict(
+        port=free_port(),
+        http_port=free_port(),
+        preset="tiny",
+        seed=4,
+        device="cpu",
+        num_blocks=96,
+        block_size=16,
+        max_model_len=512,
+        max_num_seqs=80,
+        health_interval_s=0.25,
+    )
+    return ServeConfig(**(values | overrides))
+
+
+def wait_until(condition, timeout: float, what: str):
+    """condition()'s first truthy value within timeout; AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout:g} s: {what}")
+
+
+def idle(client: Client) -> bool:
+    """No instance holds a page, runs or queues a request (as the router last saw them)."""
+    info = client.server_info()
+    return all(
+        w.load.kv_usage == 0 and w.load.held == 0 and w.load.running == 0 and w.load.waiting == 0
+        for w in info.workers
+    ) and bool(info.workers)
+
+
+def wait_idle(client: Client, timeout: float = 3.0) -> None:
+    """Every page free again soon (the router's view lags its health interval)."""
+    wait_until(lambda: idle(client), timeout, f"pages free again: {client.server_info()}")
 
 
 def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool = True) -> None:
@@ -149,17 +193,16 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
     running = Deployment(config, startup_timeout=300)
     try:
         client = Client(running.address)
-        roles = sorted(w.role for w in running.router.workers)
+        roles = sorted(w.role for w in client.server_info().workers)
         assert roles == ["decode", "decode", "prefill", "prefill"]
         prompts = [list(range(3, 3 + n)) for n in (4, 20, 70)]
-        alone = [
-            client.generate(request(token_ids=p, max_tokens=12), timeout=60).token_ids
-            for p in prompts
-        ]
+        alone = [client.generate(p, max_tokens=12, timeout=60).token_ids for p in prompts]
         for prompt, completion in zip(prompts, alone, strict=True):
             assert len(completion) > 0 and near_greedy(reference, prompt, list(completion))
-        messages = [request(token_ids=p, max_tokens=12) for p in prompts * 3]
-        together = [r.token_ids for r in generate_together(client, messages)]
+        together = [
+            r.token_ids
+            for r in generate_together(client, [dict(prompt=p, max_tokens=12) for p in prompts * 3])
+        ]
         if batch_invariant:
             assert together == alone * 3
         for i, completion in enumerate(together):
@@ -170,9 +213,21 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
 
 
 @pytest.fixture
-def serving_checks():
+def serving():
     return SimpleNamespace(
         instances_of_two_ranks=instances_of_two_ranks,
         near_greedy=near_greedy,
         generate_together=generate_together,
+        config=tiny_config,
+        wait_until=wait_until,
+        wait_idle=wait_idle,
+        idle=idle,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_deployment():
+    """One `--role all` deployment of the tiny preset that the serving tests share."""
+    running = Deployment(tiny_config(), startup_timeout=120)
+    yield running
+    running.stop()

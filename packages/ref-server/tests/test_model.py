@@ -223,7 +223,8 @@ def test_tokenizers(checkpoints, tmp_path):
     checkpoints.write(tmp_path, seed=6)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     loaded = M.from_pretrained(tmp_path, dtype=torch.float32)
-    assert loaded.tokenizer.encode("hello world") == [5, 9]
+    assert loaded.tokenizer.encode("hello world", add_special_tokens=False) == [5, 9]
+    assert loaded.tokenizer.encode("hello world") == [0, 5, 9]  # config.json's bos_token_id
 
 
 def test_bad_checkpoints_are_named(checkpoints, tmp_path):

@@ -1,26 +1,36 @@
-"""The deployment on the GPU (`gpu` marker): the V2-Lite-sized preset in a prefill and a decode
-instance sharing the GPU, KV pages copied between them through CUDA IPC."""
+"""The deployment on the GPU (`gpu` marker): instances sharing the GPU, KV pages copied between
+them through CUDA IPC."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import time
 import urllib.request
 
 import pytest
 import torch
 
 import ref_server.model as M
-from ref_server.services.client import Client, request
-from ref_server.services.deployment import Deployment, ServeConfig, free_port
+from ref_server.client import Client
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
+from ref_server.services.kv_transfer import CUDA_IPC, KvPuller, TransferError
+from ref_server.services.security import SECRET_ENV, internal_channel
+from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
 
 pytestmark = pytest.mark.gpu
 
 SEED = 6
 
 
-def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(serving_checks):
-    config = ServeConfig(
-        port=free_port(), metrics_port=free_port(), preset="v2-lite", seed=SEED, device="cuda"
-    )
+def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(serving):
+    config = serving.config(
+        preset="v2-lite", seed=SEED, device="cuda", num_blocks=512, block_size=64,
+        max_model_len=2048, max_num_seqs=128,
+    )  # fmt: skip
     deployment = Deployment(config, startup_timeout=400)
     try:
         client = Client(deployment.address)
@@ -31,38 +41,105 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
         for length, max_tokens in ((5, 12), (64, 8), (300, 16)):
             prompt = torch.randint(2, 100_000, (length,), generator=g).tolist()
             want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-            got = client.generate(request(token_ids=prompt, max_tokens=max_tokens), timeout=120)
-            assert got.token_ids == want
+            assert client.generate(prompt, max_tokens=max_tokens, timeout=120).token_ids == want
         del reference
-
-        messages = [  # sampled, of many lengths: decode batches of many sizes
-            request(text=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
+        requests = [  # sampled, of many lengths: decode batches of many sizes
+            dict(prompt=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
             for i in range(48)
         ]
-        results = serving_checks.generate_together(client, messages, timeout=300)
+        results = serving.generate_together(client, requests, timeout=300)
         assert all(1 <= r.usage.completion_tokens <= 32 for r in results)
-        url = f"http://127.0.0.1:{config.metrics_port}/metrics"
+        url = f"http://127.0.0.1:{config.http_port}/metrics"
         text = urllib.request.urlopen(url, timeout=5).read().decode()
         assert 'ref_server_kv_transfer_bytes_total{method="cuda_ipc"}' in text
         assert 'method="grpc"' not in text
+        serving.wait_idle(client)
         client.close()
     finally:
         deployment.stop()
 
 
-def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving_checks):
+def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving):
     """The tiny preset in four processes sharing the GPU: each instance's two ranks move MoE
     rows with ep_comm's cuda backend (CUDA IPC), an idle rank in lockstep with a busy one."""
-    config = ServeConfig(
-        port=free_port(),
-        metrics_port=free_port(),
-        preset="tiny",
-        seed=SEED,
-        device="cuda",
-        ranks=2,
-        num_blocks=96,
-        block_size=16,
-        max_model_len=512,
-    )
+    config = serving.config(seed=SEED, device="cuda", ranks=2)
     reference = M.from_preset("tiny", seed=SEED, dtype=torch.bfloat16, device="cuda")
-    serving_checks.instances_of_two_ranks(config, reference, batch_invariant=False)
+    serving.instances_of_two_ranks(config, reference, batch_invariant=False)
+
+
+class SlowCopy(KvPuller):
+    """Copies, then sleeps past the prefill instance's lease before it is checked."""
+
+    delay = 0.0
+
+    def _copy_blocks(self, layers, source, target):
+        super()._copy_blocks(layers, source, target)
+        time.sleep(self.delay)
+
+
+def test_a_cuda_ipc_copy_that_outlasts_its_lease_is_an_error_not_wrong_kv(serving):
+    """A prefill instance with a lease of 1 s; this process maps its cache and copies a
+    prompt's pages into a cache of its own. On time, the copy equals the pages the gRPC
+    stream carried; sleeping 2 s after the copy, Release finds the lease gone and the pull
+    fails (the pages may have been reused during the copy)."""
+    config = serving.config(seed=SEED, device="cuda", hold_seconds=1.0)
+    port = free_port()
+    env = {**os.environ, SECRET_ENV: "lease-test"}
+    prefill = subprocess.Popen(serve_command(config, role="prefill", port=port), env=env)
+    address = f"127.0.0.1:{port}"
+    model = M.from_preset("tiny", seed=SEED, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, SchedulerConfig(num_blocks=96, block_size=16, max_model_len=512))
+
+    async def run() -> None:
+        puller = SlowCopy(engine.runner, "lease-test")
+        puller.set_peers([address])
+        channel = internal_channel(address, "lease-test")
+        stub, kv = rpc.PrefillStub(channel), rpc.KvTransferStub(channel)
+        prompt = list(range(3, 60))  # 4 pages of 16
+
+        async def prefill_one(request_id: str) -> pb.PrefillResponse:
+            sampling = pb.SamplingParams(max_tokens=4)
+            message = pb.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=sampling)
+            return await stub.Prefill(message, timeout=60)
+
+        first = await prefill_one("on-time")
+        pages = [m async for m in kv.Pull(pb.PullRequest(kv_handle=first.kv_handle))]
+        targets = [(i, 10 + i) for i in range(first.num_pages)]
+        assert await puller.pull(address, first.kv_handle, targets, first.num_pages) == CUDA_IPC
+        for (index, block), page in zip(targets, pages, strict=True):
+            copied = torch.stack([layer[block, :, 0] for layer in engine.runner.cache.layers])
+            sent = torch.frombuffer(bytearray(page.data), dtype=torch.int16)
+            assert torch.equal(copied.cpu().view(torch.int16).flatten(), sent), index
+        late = await prefill_one("late")
+        puller.delay = 2.0
+        with pytest.raises(TransferError, match="lease ran out"):
+            await puller.pull(address, late.kv_handle, targets, late.num_pages)
+        await channel.close()
+
+    try:
+        wait_serving(address, 120, prefill)
+        asyncio.run(run())
+    finally:
+        prefill.kill()
+        prefill.wait()
+
+
+def test_a_dead_prefill_instance_is_unmapped_and_a_restarted_one_mapped_again(serving):
+    config = serving.config(seed=SEED, device="cuda")
+    deployment = Deployment(config, startup_timeout=300)
+    try:
+        client = Client(deployment.address)
+
+        def decode_load():
+            return next(w.load for w in client.server_info().workers if w.role == "decode")
+
+        client.generate([5, 6, 7], max_tokens=4, timeout=60)
+        serving.wait_until(lambda: decode_load().mapped_caches == 1, 10, "prefill cache mapped")
+        deployment.children[deployment.addresses("prefill")[0]].kill()
+        serving.wait_until(lambda: decode_load().mapped_caches == 0, 30, "the dead cache unmapped")
+        serving.wait_until(lambda: client.server_info().serving, 120, "the prefill restarted")
+        assert len(client.generate([5, 6, 7], max_tokens=4, timeout=60).token_ids) == 4
+        serving.wait_until(lambda: decode_load().mapped_caches == 1, 10, "the new cache mapped")
+        client.close()
+    finally:
+        deployment.stop()

@@ -1,4 +1,8 @@
-"""The `ref-server` command line."""
+"""The `ref-server` command line: serve, demo, economics.
+
+Building the parser imports no torch: `--help` and bad flags answer at once, and errors are
+one line.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +12,32 @@ import json
 import os
 import sys
 
-from rich.console import Console
-from rich.table import Table
-
 from ref_server import __version__, economics
+from ref_server.services.config import ROLES, ServeConfig
 
 DEFAULT_PRESET = "deepseek-day6"
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (economics.EconomicsError, ValueError, RuntimeError, OSError) as error:
+    except (ValueError, RuntimeError, OSError) as error:
         print(f"ref-server {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ref-server", description=__doc__)
+    parser = Parser(prog="ref-server", description="DeepSeek-style disaggregated MoE serving.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     report = commands.add_parser(
         "economics",
@@ -54,88 +62,106 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="run the router, a prefill or decode instance, or all three (--role all)",
-        description="Values: ServeConfig's defaults, then the TOML file, then flags.",
+        help="run the router, a prefill or decode instance, or all of them (--role all)",
+        description="Settings: the defaults below, then the TOML file (--config), then flags.",
+        usage="ref-server serve [--role ROLE] [--config FILE] [options]",
     )
     _serve_flags(serve)
     serve.set_defaults(run=_serve)
 
     demo = commands.add_parser(
         "demo",
-        help="the whole deployment on loopback: a few requests, throughput and economics",
+        help="the whole deployment on loopback, a few requests, what it measured",
+        description="Starts --role all on free ports, sends concurrent requests, reports.",
+        usage="ref-server demo [--requests N] [--max-tokens N] [options]",
     )
+    demo.add_argument("--requests", type=int, default=8, help="concurrent requests (default: 8)")
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens each (default: 24)")
     _serve_flags(demo)
-    demo.add_argument("--requests", type=int, default=8, help="concurrent requests to send")
-    demo.add_argument("--max-tokens", type=int, default=24)
     demo.set_defaults(run=_demo)
     return parser
 
 
 def _serve_flags(parser: argparse.ArgumentParser) -> None:
-    from ref_server.services.deployment import ServeConfig
-
-    parser.add_argument("--config", metavar="FILE", help="TOML file of ServeConfig values")
+    parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below")
+    settings = parser.add_argument_group("settings (also TOML keys, with underscores)")
+    defaults = ServeConfig()
     for f in dataclasses.fields(ServeConfig):
-        kind = {"int": int, "float": float}.get(str(f.type), str)
-        extra = {"choices": ["router", "prefill", "decode", "all"]} if f.name == "role" else {}
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, **extra)
+        default = getattr(defaults, f.name)
+        shown = ",".join(default) if isinstance(default, list) else default
+        help = f"{f.metadata['help']} (default: {'none' if shown in (None, '') else shown})"
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            settings.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help
+            )
+            continue
+        kind = {"int": int, "float": float, "list[str]": _addresses}.get(f.type, str)
+        metavar = {"int": "N", "float": "X", "list[str]": "HOST:PORT,..."}.get(f.type, "TEXT")
+        choices = ROLES if f.name == "role" else None
+        settings.add_argument(
+            flag, dest=f.name, type=kind, help=help, metavar=None if choices else metavar,
+            choices=choices,
+        )  # fmt: skip
 
 
-def _serve_config(args: argparse.Namespace):
-    from ref_server.services.deployment import ServeConfig, read_config_file, torchrun_values
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
 
-    values = read_config_file(args.config) if args.config else {}
-    for f in dataclasses.fields(ServeConfig):
-        value = getattr(args, f.name, None)
-        if value is not None:
-            values[f.name] = value.split(",") if f.name in ("prefill", "decode") else value
-    if values.get("role") in ("prefill", "decode"):
-        port = values.get("port", ServeConfig.port)
-        values |= torchrun_values(dict(os.environ), port)
-    return ServeConfig(**values)
+
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
+    from ref_server.services.deployment import torchrun_values
+
+    flags = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ServeConfig)
+        if getattr(args, f.name, None) is not None
+    }
+    config = ServeConfig.from_file(args.config, **flags) if args.config else ServeConfig(**flags)
+    if config.role in ("prefill", "decode"):
+        config = config.replace(**torchrun_values(dict(os.environ), config.port))
+    return config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ref_server.services import deployment
-
     config = _serve_config(args)
-    stop = deployment.stop_on_signals()
-    if config.role == "all":
-        running = deployment.Deployment(config)
-        print(f"ref-server: serving on {running.address} (metrics on :{config.metrics_port})")
+    if config.role != "all":
+        from ref_server.services.servers import serve
+
+        serve(config)
+        return 0
+    from ref_server.services.deployment import Deployment, stop_on_signals
+
+    stop = stop_on_signals()
+    running = Deployment(config)
+    http = f", HTTP on {config.host}:{config.http_port}" if config.http_port else ""
+    print(f"ref-server: serving on {config.host}:{config.port}{http}", flush=True)
+    try:
         stop.wait()
+    finally:
         running.stop()
-    elif config.role == "router":
-        server, router, _ = deployment.start_router(config)
-        print(f"ref-server router: serving on {config.host}:{config.port}", flush=True)
-        stop.wait()
-        router.stop.set()
-        server.stop(grace=2).wait()
-    else:
-        server, loop = deployment.start_instance(config)
-        print(f"ref-server {config.role}: serving on {config.host}:{config.port}", flush=True)
-        stop.wait()
-        server.stop(grace=2).wait()
-        loop.stop()
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
     from ref_server.services.demo import run_demo
+    from ref_server.services.deployment import free_port
 
     config = _serve_config(args)
     if args.port is None:
-        from ref_server.services.deployment import free_port
-
-        config = dataclasses.replace(config, port=free_port(), metrics_port=free_port())
-    measured = run_demo(config, args.requests, args.max_tokens, Console())
-    inputs = economics.build_inputs(DEFAULT_PRESET, measured)
-    title = f"{DEFAULT_PRESET} with the throughput measured here"
-    Console().print(_table(title, inputs, economics.evaluate(inputs)))
+        config = config.replace(port=free_port())
+    if args.http_port is None:
+        config = config.replace(http_port=free_port())
+    run_demo(config, args.requests, args.max_tokens, Console())
     return 0
 
 
 def _economics(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from_file = economics.read_toml(args.config) if args.config else {}
     file_preset = from_file.pop("preset", None)
     preset_name = args.preset or file_preset or DEFAULT_PRESET
@@ -149,12 +175,7 @@ def _economics(args: argparse.Namespace) -> int:
             "report": dataclasses.asdict(report),
         }
         print(json.dumps(document, indent=2))
-    else:
-        Console().print(_table(preset_name, inputs, report))
-    return 0
-
-
-def _table(preset_name: str, inputs: economics.CostInputs, report: economics.CostReport) -> Table:
+        return 0
     hours = f"{inputs.window_hours:g} h"
     table = Table(title=f"Serving economics (base preset: {preset_name})", show_header=False)
     table.add_column(style="bold")
@@ -177,4 +198,5 @@ def _table(preset_name: str, inputs: economics.CostInputs, report: economics.Cos
     ]
     for label, value in rows:
         table.add_row(label, value)
-    return table
+    Console().print(table)
+    return 0

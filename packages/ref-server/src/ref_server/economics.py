@@ -13,10 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from ref_server import config_file
 
 PER_MILLION = 1e6
 SECONDS_PER_HOUR = 3600.0
@@ -174,22 +171,10 @@ def preset(name: str) -> CostInputs:
 
 def read_toml(path: str | Path) -> dict[str, object]:
     """Read cost-model values from a TOML file: any `CostInputs` field, plus `preset`."""
-    path = Path(path)
     try:
-        values = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise EconomicsError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise EconomicsError(f"cannot read config file {path}: {error}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise EconomicsError(f"config file {path} is not valid TOML: {error}") from None
-    unknown = sorted(set(values) - set(CostInputs.field_names()) - {"preset"})
-    if unknown:
-        raise EconomicsError(
-            f"config file {path} has unknown keys: {', '.join(unknown)}; "
-            f"known keys: preset, {', '.join(CostInputs.field_names())}"
-        )
-    return values
+        return config_file.read_toml(path, ["preset", *CostInputs.field_names()])
+    except ValueError as error:
+        raise EconomicsError(str(error)) from None
 
 
 def build_inputs(preset_name: str, *overrides: dict[str, object]) -> CostInputs:

@@ -1,8 +1,10 @@
 """Pages of the KV cache: allocation, reference counts and the prefix cache. No torch.
 
 A full page is known by the hash of its tokens chained with its predecessor's hash, so equal
-hashes mean equal prefixes. Pages whose reference count drops to zero keep their contents and
-stay findable by hash until they are reused, least recently freed first (LRU).
+hashes mean equal prefixes. The chain starts from the sequence's cache salt: requests of
+different salts (tenants) never share pages. Pages whose reference count drops to zero keep
+their contents and stay findable by hash until they are reused, least recently freed first
+(LRU).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ def block_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
-def prefix_hashes(tokens: list[int], block_size: int) -> list[bytes]:
-    """The chained hash of every full page of `tokens`."""
-    hashes, parent = [], b""
+def prefix_hashes(tokens: list[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """The chained hash of every full page of `tokens`, the chain seeded by `salt`."""
+    hashes, parent = [], salt
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = block_hash(parent, tokens[start : start + block_size])
         hashes.append(parent)
@@ -81,7 +83,9 @@ class BlockManager:
         while (len(hashes) + 1) * size <= num_tokens:
             start = len(hashes) * size
             hashes.append(
-                block_hash(hashes[-1] if hashes else b"", seq.tokens[start : start + size])
+                block_hash(
+                    hashes[-1] if hashes else seq.cache_salt, seq.tokens[start : start + size]
+                )
             )
         return hashes[: num_tokens // size]
 

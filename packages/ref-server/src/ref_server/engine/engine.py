@@ -8,13 +8,11 @@ while engine.has_work():
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from ref_server.engine.model_runner import ModelRunner
-from ref_server.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
-from ref_server.engine.sequence import FinishReason, Sequence, Status
+from ref_server.engine.scheduler import Scheduler, SchedulerConfig
+from ref_server.engine.sequence import Sequence
 from ref_server.model.sampling import SamplingParams
 
 
@@ -26,13 +24,16 @@ class Engine:
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run
-        self.prefilled: deque[tuple[Sequence, list]] = deque()  # waiting for free pages
 
-    def _sequence(self, prompt, params, request_id, hold_pages=False) -> Sequence:
+    def _sequence(self, prompt, params, request_id, hold_pages=False, cache_salt=b"") -> Sequence:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(prompt, params, eos_ids=self.eos_ids, hold_pages=hold_pages)
+        if request_id is not None and self.scheduler.knows(request_id):
+            raise ValueError(f"request id {request_id!r} is in use here")
+        seq = Sequence(
+            prompt, params, eos_ids=self.eos_ids, hold_pages=hold_pages, cache_salt=cache_salt
+        )
         if request_id is not None:
             seq.request_id = request_id
         return seq
@@ -44,10 +45,11 @@ class Engine:
         request_id: str | None = None,
         *,
         hold_pages: bool = False,
+        cache_salt: bytes = b"",
     ) -> Sequence:
         """Queue a request. hold_pages: keep its KV pages after it finishes, for `pages` and
         `release` (a prefill instance hands them to a decode instance)."""
-        seq = self._sequence(prompt, params, request_id, hold_pages)
+        seq = self._sequence(prompt, params, request_id, hold_pages, cache_salt)
         self.scheduler.add(seq)
         return seq
 
@@ -63,33 +65,28 @@ class Engine:
     def release(self, request_id: str) -> bool:
         return self.scheduler.release(request_id)
 
-    def add_prefilled(
-        self, prompt: list[int], first_token: int, params: SamplingParams, request_id: str, pages
-    ) -> Sequence:
-        """Continue a request prefilled elsewhere: its prompt's KV comes as `pages` (a list of
-        `[layers, page_size, 576]`), its first token is sampled already. It joins when pages are
-        free (in arrival order); pages found in this instance's prefix cache are not written."""
-        seq = self._sequence(prompt, params, request_id)
+    def reserve(
+        self,
+        prompt: list[int],
+        first_token: int,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: bytes = b"",
+    ) -> list[tuple[int, int]]:
+        """Pages for a request prefilled elsewhere (its first token sampled already), sharing
+        pages found in this instance's prefix cache: the (page index, block) pairs whose KV
+        the caller must write before `start`. QueueFull when there is no room now."""
+        seq = self._sequence(prompt, params, request_id, cache_salt=cache_salt)
         seq.tokens.append(first_token)
-        self.scheduler.check_length(seq)
-        if len(self.prefilled) >= self.scheduler.config.max_waiting:
-            raise QueueFull(f"{len(self.prefilled)} prefilled requests wait for KV pages already")
-        self.prefilled.append((seq, pages))
-        self._admit_prefilled()
-        return seq
+        indices = self.scheduler.reserve(seq, len(prompt))
+        return [(index, seq.block_table[index]) for index in indices]
 
-    def _admit_prefilled(self) -> None:
-        while self.prefilled and self.scheduler.blocks.can_allocate(self.prefilled[0][0]):
-            seq, pages = self.prefilled.popleft()
-            for index in self.scheduler.add_computed(seq, len(seq.prompt)):
-                self.runner.write_page(seq.block_table[index], pages[index])
+    def start(self, request_id: str) -> Sequence:
+        """A reserved request whose KV is written joins the running batch."""
+        seq = self.scheduler.reserved[request_id]
+        return self.scheduler.start(request_id, len(seq.prompt))
 
     def abort(self, request_id: str) -> Sequence | None:
-        for seq, pages in self.prefilled:
-            if seq.request_id == request_id:
-                self.prefilled.remove((seq, pages))
-                seq.status, seq.finish_reason = Status.FINISHED, FinishReason.ABORT
-                return seq
         return self.scheduler.abort(request_id)
 
     def queued_prefill_flops(self) -> float:
@@ -99,20 +96,19 @@ class Engine:
         return sum(args.prefill_flops(s.num_uncomputed, s.num_computed) for s in queued)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.prefilled)
+        return self.scheduler.has_work()
 
     def step(self) -> list[Sequence]:
         """Schedule, run the model, advance: the sequences that got a token this step."""
-        self._admit_prefilled()
         step = self.scheduler.schedule()
         self.idle = step is None
         if step is None:
             if self.model.expert_parallel:  # the peers' MoE layers exchange with this rank anyway
                 self.runner.idle()
-            blocked = self.scheduler.held or self.prefilled
+            blocked = self.scheduler.held or self.scheduler.reserved
             if self.has_work() and not blocked:  # add() admits what fits an empty cache
                 raise RuntimeError("the scheduler found nothing to run while requests wait")
-            return []  # waiting for held pages to be released
+            return []  # waiting for held or reserved pages to be freed
         return self.scheduler.advance(step, self.runner.run(step))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

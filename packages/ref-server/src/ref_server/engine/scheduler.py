@@ -5,6 +5,10 @@ Continuous batching: sequences join and leave between steps. A step is either a 
 prompt is spread over several steps: chunked prefill) or a decode step (one token for every
 running sequence). Prefill goes first. When a decode step runs out of pages, the most recently
 admitted sequence is preempted: its pages are freed and it waits to be recomputed.
+
+A prefill instance keeps a finished sequence's pages (`held`) until a decode instance has
+copied them; a decode instance reserves pages for a sequence prefilled elsewhere (`reserved`)
+while its KV arrives, then starts it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class SchedulerConfig:
 
 
 class QueueFull(RuntimeError):
-    """More waiting requests than max_waiting."""
+    """No room for a request now: more waiting than max_waiting, or no pages to reserve."""
 
 
 @dataclass
@@ -56,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}  # finished, pages kept for a transfer
+        self.reserved: dict[str, Sequence] = {}  # pages allocated, KV arriving from elsewhere
         self.num_preemptions = 0
 
     def check_length(self, seq: Sequence) -> None:
@@ -75,8 +80,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def knows(self, request_id: str) -> bool:
+        """Whether a sequence of this id holds or waits for pages here."""
+        return (
+            request_id in self.held
+            or request_id in self.reserved
+            or any(s.request_id == request_id for s in (*self.running, *self.waiting))
+        )
+
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish a sequence now and free its pages; None if it is unknown or finished."""
+        """End a sequence now, wherever it is, and free its pages; None if it is unknown."""
+        for table in (self.held, self.reserved):
+            if request_id in table:
+                seq = table.pop(request_id)
+                self.blocks.deallocate(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, FinishReason.ABORT
+                return seq
         for queue in (self.running, self.waiting):
             for seq in list(queue):
                 if seq.request_id == request_id:
@@ -101,17 +120,34 @@ class Scheduler:
             self.blocks.deallocate(seq)
         return seq is not None
 
-    def add_computed(self, seq: Sequence, computed: int) -> list[int]:
-        """Admit a sequence whose first `computed` tokens' KV arrives from elsewhere (decode
-        role): allocate its pages now, sharing cached prefix pages; returns the indices of its
-        pages the caller must fill. Raises MemoryError when the pages are not free."""
+    def reserve(self, seq: Sequence, computed: int) -> list[int]:
+        """Pages for a sequence whose first `computed` tokens' KV comes from elsewhere (decode
+        role), sharing cached prefix pages; returns the indices of its pages the caller must
+        fill before `start`. QueueFull when its pages are not free or the batch is full."""
+        self.check_length(seq)
+        if seq.request_id in self.reserved:
+            raise ValueError(f"{seq.request_id} is reserved already")
+        busy = len(self.running) + len(self.reserved)
+        if busy >= self.config.max_num_seqs:
+            raise QueueFull(f"{busy} sequences run or are being filled already")
+        if not self.blocks.can_allocate(seq):
+            raise QueueFull(
+                f"not enough free KV pages for {seq.num_blocks(self.config.block_size)}"
+            )
         self.blocks.allocate(seq)
+        self.reserved[seq.request_id] = seq
         first = seq.num_cached // self.config.block_size
+        return list(range(first, -(-computed // self.config.block_size)))
+
+    def start(self, request_id: str, computed: int) -> Sequence:
+        """A reserved sequence whose pages are filled joins the running batch; its pages
+        become findable in the prefix cache only now."""
+        seq = self.reserved.pop(request_id)
         seq.num_computed = computed
-        self.blocks.register_computed(seq)  # filled by the caller before any step reads them
+        self.blocks.register_computed(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
-        return list(range(first, -(-computed // self.config.block_size)))
+        return seq
 
     def schedule(self) -> Step | None:
         return self._prefill() or self._decode()

@@ -38,6 +38,7 @@ class Sequence:
     num_registered: int = 0  # leading pages already offered to the prefix cache
     eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids
     hold_pages: bool = False  # keep the pages after finishing, until released (prefill role)
+    cache_salt: bytes = b""  # seeds the page hashes: prefix-cache hits only within one salt
 
     def __post_init__(self) -> None:
         if not self.prompt:

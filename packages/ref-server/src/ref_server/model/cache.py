@@ -46,6 +46,10 @@ class PagedKVCache:
     def device(self) -> torch.device:
         return self.layers[0].device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].dtype
+
 
 @dataclass
 class StepBatch:

@@ -1,134 +1,47 @@
-"""Starting the pieces: an instance (prefill or decode), the router, or all three at once.
+"""`--role all`: every process of a deployment on this machine, supervised.
 
-`ServeConfig` holds every setting (TOML file, then flags). `--role all` starts a prefill and a
-decode instance as child processes, waits until their health services say SERVING, then runs
-the router in this process; stopping it (Ctrl-C, SIGTERM) stops the children too.
+`Deployment(config)` starts the prefill and decode instances (each of `ranks` processes),
+waits until they are SERVING, then starts the router process and waits until it is SERVING
+(it is once it has registered a prefill and a decode instance). All of them get the
+deployment's internal secret through their environment (one is generated unless
+`internal_secret_file` or REF_SERVER_INTERNAL_SECRET gives it). A supervisor thread restarts
+a process that dies (all ranks of its instance together, with a growing delay); while an
+instance is down the router routes around it, and says NOT_SERVING if it was the last of its
+role. `stop()` (or Ctrl-C, SIGTERM under `serve`) stops them all.
 
-An instance of several ranks (`ranks`) is that many processes, one gRPC server each, joined by
-a gloo group: attention is data-parallel (the router balances over the ranks as over
-instances) and the MoE layers expert-parallel through ep_comm.
+On GPUs (device auto or cuda), the n-th rank started, counting over instances, runs on GPU n
+mod the GPU count: on 8 GPUs a prefill and a decode instance of 4 ranks each take GPUs 0-3
+and 4-7; on one GPU they all share it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 
 import grpc
 import torch
-import torch.distributed as dist
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from ref_server.services.config import ServeConfig
+from ref_server.services.security import SECRET_ENV, new_secret, read_secret
 
-import ref_server.model as M
-from ref_server.engine import Engine, SchedulerConfig
-from ref_server.model.checkpoint import read_config
-from ref_server.services.engine_loop import EngineLoop
-from ref_server.services.instance import DecodeService, PrefillService
-from ref_server.services.metrics import Metrics
-from ref_server.services.router import ModelFacts, RouterService
-from ref_server.v1 import serving_pb2 as pb
-from ref_server.v1 import serving_pb2_grpc as rpc
-
-ROLES = ("router", "prefill", "decode", "all")
-MAX_MESSAGE_BYTES = 64 << 20
+log = logging.getLogger(__name__)
+RESTART_DELAYS_S = (1, 2, 5, 10, 30)  # after the first, second, ... death in a row
 
 
-@dataclass
-class ServeConfig:
-    role: str = "all"
-    host: str = "127.0.0.1"
-    port: int = 50051  # the router's (or this instance's) gRPC port
-    metrics_port: int = 9464  # the router's Prometheus endpoint
-    preset: str = "tiny"  # random weights of a preset, unless `model` names a checkpoint
-    model: str | None = None
-    seed: int = 0
-    device: str = "auto"  # cuda when available
-    num_blocks: int = 512
-    block_size: int = 64
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 2048
-    max_waiting: int = 1024
-    hold_seconds: float = 60.0  # how long a prefill instance keeps KV nobody pulls
-    max_request_bytes: int = 1 << 20  # larger Generate requests are INVALID_ARGUMENT
-    prefill_instances: int = 1  # started by --role all
-    decode_instances: int = 1
-    prefill: list[str] = field(default_factory=list)  # the router's instances
-    decode: list[str] = field(default_factory=list)
-    ranks: int = 1  # processes per instance: data-parallel attention, expert-parallel MoE
-    rank: int = 0  # this process's rank in its instance (--role all sets it)
-    group_address: str | None = None  # host:port where the ranks meet; "env": torchrun's
-    group_timeout_s: float = 300.0  # how long a rank waits for its peers before failing
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.ranks < 1 or not 0 <= self.rank < self.ranks:
-            raise ValueError(f"need 0 <= rank < ranks, got rank {self.rank} of {self.ranks}")
-        if self.ranks > 1 and self.role in ("prefill", "decode") and not self.group_address:
-            raise ValueError("an instance of several ranks needs group_address (host:port)")
-
-    @property
-    def torch_device(self) -> torch.device:
-        """cuda when available for "auto"; a GPU without an index is the rank's own."""
-        name = self.device
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(name)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", self.rank % torch.cuda.device_count())
-        return device
-
-    def join_group(self) -> dist.ProcessGroup | None:
-        """This instance's gloo group, once every rank has joined; None for one rank."""
-        if self.ranks == 1:
-            return None
-        address = self.group_address
-        dist.init_process_group(
-            "gloo",
-            init_method="env://" if address == "env" else f"tcp://{address}",
-            rank=self.rank,
-            world_size=self.ranks,
-            timeout=timedelta(seconds=self.group_timeout_s),
-        )
-        return dist.group.WORLD
-
-    def scheduler(self) -> SchedulerConfig:
-        """The engine's settings, which ServeConfig holds under the same names."""
-        names = [f.name for f in dataclasses.fields(SchedulerConfig)]
-        return SchedulerConfig(**{name: getattr(self, name) for name in names})
-
-    def load_model(self, group: dist.ProcessGroup | None = None) -> M.Model:
-        device = self.torch_device
-        dtype = torch.float32
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dtype = torch.bfloat16
-        if self.model:
-            return M.from_pretrained(self.model, dtype=dtype, device=device, group=group)
-        return M.from_preset(self.preset, seed=self.seed, dtype=dtype, device=device, group=group)
-
-    def model_args(self) -> M.ModelArgs:
-        if self.model:
-            return read_config(Path(self.model))
-        if self.preset not in M.PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; presets: {', '.join(M.PRESETS)}")
-        return M.PRESETS[self.preset]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_values(environ: dict[str, str], port: int) -> dict:
@@ -144,20 +57,23 @@ def torchrun_values(environ: dict[str, str], port: int) -> dict:
     )
 
 
-def read_config_file(path: str | Path) -> dict:
-    """ServeConfig values from a TOML file (flat keys, the field names)."""
-    path = Path(path)
-    try:
-        values = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
-        raise ValueError(f"cannot read {path}: {error}") from None
-    known = {f.name for f in dataclasses.fields(ServeConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(
-            f"{path}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-        )
-    return values
+def serve_command(config: ServeConfig, **launch) -> list[str]:
+    """The command line that runs `config` with the `launch` fields changed; the internal
+    secret is not on it (the environment carries it)."""
+    command = [sys.executable, "-m", "ref_server", "serve"]
+    launched = dataclasses.replace(config, **launch)
+    for f in dataclasses.fields(ServeConfig):
+        if f.name.endswith("_instances") or f.name == "internal_secret_file":
+            continue
+        value = getattr(launched, f.name)
+        if isinstance(value, list):
+            value = ",".join(value)
+        flag = f.name.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None and value != "":
+            command += [f"--{flag}", str(value)]
+    return command
 
 
 def stop_on_signals() -> threading.Event:
@@ -166,87 +82,6 @@ def stop_on_signals() -> threading.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     return stop
-
-
-def _server(config: ServeConfig, services: list[str]) -> tuple[grpc.Server, health.HealthServicer]:
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_num_seqs + 16),
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
-    health_service = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in services]
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
-    address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
-    return server, health_service
-
-
-def start_instance(config: ServeConfig) -> tuple[grpc.Server, EngineLoop]:
-    """A prefill or decode instance (one rank of it), SERVING once its model is loaded, and
-    NOT_SERVING for good if its ranks lose each other."""
-    group = config.join_group()
-    engine = Engine(config.load_model(group), config.scheduler())
-    services = ["Prefill", "KvTransfer"] if config.role == "prefill" else ["Decode"]
-    server, health_service = _server(config, services)
-    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    loop = EngineLoop(
-        engine, config.hold_seconds, group, on_failure=lambda: health_service.set("", not_serving)
-    )
-    if config.role == "prefill":
-        service = PrefillService(loop, config.max_model_len)
-        rpc.add_PrefillServicer_to_server(service, server)
-        rpc.add_KvTransferServicer_to_server(service, server)
-    else:
-        rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len), server)
-    server.start()
-    health_service.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, loop
-
-
-def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
-    args = config.model_args()
-    tokenizer = M.load_tokenizer(args, config.model)
-    page_bytes = args.num_hidden_layers * config.block_size * args.cache_width * 2
-    facts = ModelFacts(
-        name=config.model or config.preset,
-        vocab_size=args.vocab_size,
-        max_model_len=config.max_model_len,
-        num_layers=args.num_hidden_layers,
-        num_parameters=args.num_parameters(),
-        eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
-        page_size=config.block_size,
-        page_bytes=page_bytes,
-    )
-    return facts, tokenizer
-
-
-def start_router(config: ServeConfig, metrics: Metrics | None = None):
-    """The router over config.prefill / config.decode; returns (server, service, health)."""
-    facts, tokenizer = model_facts(config)
-    metrics = metrics or Metrics()
-    service = RouterService(
-        config.prefill, config.decode, facts, tokenizer, metrics, config.max_request_bytes
-    )
-    server, health_service = _server(config, ["Router"])
-    rpc.add_RouterServicer_to_server(service, server)
-    if config.metrics_port:
-        metrics.serve(config.metrics_port)
-    server.start()
-    health_service.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, service, health_service
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(address: str, timeout: float, process: subprocess.Popen | None = None) -> None:
@@ -268,71 +103,128 @@ def wait_serving(address: str, timeout: float, process: subprocess.Popen | None 
     raise RuntimeError(f"{address} was not SERVING within {timeout:g} s")
 
 
-def instance_command(
-    config: ServeConfig,
-    role: str,
-    port: int,
-    rank: int = 0,
-    group_address: str | None = None,
-    device: str | None = None,
-) -> list[str]:
-    """The command line that starts one rank of an instance with this config's model and
-    engine (on `device` if given, else the config's)."""
-    launch = dict(role=role, port=port, rank=rank, group_address=group_address)
-    if device is not None:
-        launch["device"] = device
-    command = [sys.executable, "-m", "ref_server", "serve"]
-    for f in dataclasses.fields(ServeConfig):
-        skip = ("metrics_port", "prefill", "decode", "host")
-        if f.name in skip or f.name.endswith("_instances"):
-            continue
-        value = launch[f.name] if f.name in launch else getattr(config, f.name)
-        if value is not None:
-            command += ["--" + f.name.replace("_", "-"), str(value)]
-    return command
+@dataclass(eq=False)
+class Unit:
+    """What the supervisor restarts as one: an instance's ranks, or the router."""
+
+    role: str
+    commands: dict[str, list[str]]  # by gRPC address
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    deaths: int = 0  # in a row, without a healthy start between
+    restart_at: float | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.processes = {a: subprocess.Popen(c, env=env) for a, c in self.commands.items()}
+
+    def dead(self) -> bool:
+        return any(p.poll() is not None for p in self.processes.values())
+
+    def kill(self, timeout: float = 10) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 class Deployment:
-    """Prefill and decode instances as child processes, and the router in this process. On
-    GPUs (device auto or cuda), the n-th rank started, counting over instances, runs on GPU
-    n mod the GPU count: on 8 GPUs a prefill and a decode instance of 4 ranks each take
-    GPUs 0-3 and 4-7; on one GPU they all share it."""
-
     def __init__(self, config: ServeConfig, startup_timeout: float = 600.0) -> None:
         self.config = config
-        self.children: dict[str, subprocess.Popen] = {}  # by address
-        roles = ["prefill"] * config.prefill_instances + ["decode"] * config.decode_instances
-        addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
-        gpus = torch.cuda.device_count() if config.device in ("auto", "cuda") else 0
+        secret = read_secret(config.internal_secret_file) or new_secret()
+        self.env = {**os.environ, SECRET_ENV: secret}
+        self.startup_timeout = startup_timeout
+        self.instances = self._instances()
+        self.address = f"127.0.0.1:{config.port}"
+        peers = {role: self.addresses(role) for role in ("prefill", "decode")}
+        self.router = Unit("router", {self.address: serve_command(config, role="router", **peers)})
+        self.stopping = threading.Event()
+        self.supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         try:
-            for role in roles:
-                group_address = f"127.0.0.1:{free_port()}" if config.ranks > 1 else None
-                for rank in range(config.ranks):  # the router balances over every rank
-                    port = free_port()
-                    address = f"127.0.0.1:{port}"
-                    device = f"cuda:{len(self.children) % gpus}" if gpus else None
-                    command = instance_command(config, role, port, rank, group_address, device)
-                    self.children[address] = subprocess.Popen(command)
-                    addresses[role].append(address)
-            for address, child in self.children.items():
-                wait_serving(address, startup_timeout, child)
-            router = dataclasses.replace(config, role="router", **addresses)
-            self.server, self.router, self.health = start_router(router)
+            for unit in self.instances:
+                unit.start(self.env)
+            for unit in self.instances:
+                self._wait(unit)
+            self.router.start(self.env)
+            self._wait(self.router)
         except BaseException:
             self.stop()
             raise
-        self.address = f"{config.host}:{config.port}"
+        self.supervisor.start()
+
+    @property
+    def units(self) -> list[Unit]:
+        return [*self.instances, self.router]
+
+    @property
+    def children(self) -> dict[str, subprocess.Popen]:
+        """Every process, by its gRPC address."""
+        return {a: p for u in self.units for a, p in u.processes.items()}
+
+    def addresses(self, role: str) -> list[str]:
+        return [a for u in self.instances if u.role == role for a in u.commands]
+
+    def _instances(self) -> list[Unit]:
+        from ref_server.services.servers import torch_device
+
+        config = self.config
+        on_gpus = torch_device(config).type == "cuda"  # a clear error when there is none
+        gpus = torch.cuda.device_count() if on_gpus and config.device in ("auto", "cuda") else 0
+        units, started = [], 0
+        roles = ["prefill"] * config.prefill_instances + ["decode"] * config.decode_instances
+        for role in roles:
+            group_address = f"127.0.0.1:{free_port()}" if config.ranks > 1 else None
+            commands = {}
+            for rank in range(config.ranks):  # the router balances over every rank
+                port = free_port()
+                launch = dict(role=role, host="127.0.0.1", port=port, rank=rank)
+                launch["group_address"] = group_address
+                if gpus:
+                    launch["device"] = f"cuda:{started % gpus}"
+                started += 1
+                commands[f"127.0.0.1:{port}"] = serve_command(config, **launch)
+            units.append(Unit(role, commands))
+        return units
+
+    def _wait(self, unit: Unit) -> None:
+        for address, process in unit.processes.items():
+            wait_serving(address, self.startup_timeout, process)
+
+    def _supervise(self) -> None:
+        while not self.stopping.wait(0.5):
+            for unit in self.units:
+                self._look_after(unit)
+
+    def _look_after(self, unit: Unit) -> None:
+        now = time.monotonic()
+        if unit.restart_at is None:
+            if not unit.dead():
+                return
+            delay = RESTART_DELAYS_S[min(unit.deaths, len(RESTART_DELAYS_S) - 1)]
+            codes = {a: p.poll() for a, p in unit.processes.items()}
+            log.warning("%s %s died (%s); restarting in %d s", unit.role, list(codes), codes, delay)
+            unit.kill()  # the other ranks of a broken instance cannot go on alone
+            unit.deaths += 1
+            unit.restart_at = now + delay
+        elif now >= unit.restart_at and not self.stopping.is_set():
+            unit.restart_at = None
+            unit.start(self.env)
+            threading.Thread(target=self._healthy_again, args=(unit,), daemon=True).start()
+
+    def _healthy_again(self, unit: Unit) -> None:
+        try:
+            self._wait(unit)
+            unit.deaths = 0
+        except RuntimeError as error:
+            log.warning("%s did not come back: %s", unit.role, error)
 
     def stop(self) -> None:
-        if getattr(self, "server", None) is not None:
-            self.health.enter_graceful_shutdown()
-            self.router.stop.set()
-            self.server.stop(grace=2).wait()
-        for child in self.children.values():
-            if child.poll() is None:
-                child.terminate()
-        for child in self.children.values():
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        self.stopping.set()
+        if self.supervisor.is_alive():
+            self.supervisor.join(timeout=5)
+        self.router.kill()  # the router first: no new requests reach dying instances
+        for unit in self.instances:
+            unit.kill()

@@ -1,9 +1,14 @@
-"""The thread that owns an instance's engine: gRPC handlers never touch the engine directly.
+"""The thread that owns an instance's engine: gRPC handlers never touch the engine directly,
+and never wait for it on their own thread.
 
-Handlers send functions to run on the loop thread (`call`), and requests register a queue of
-events (`open`): ("token", id), ("done", FinishReason), ("error", message). Between commands the
-loop steps the engine while it has work, and releases held KV pages whose transfer deadline
-passed.
+Handlers queue functions to run on the loop thread (`submit`, which returns a future at once),
+and requests register a sink for their events (`open`): ("token", id), ("done", FinishReason),
+("error", message). Between commands the loop steps the engine while it has work, publishes a
+load snapshot (`load`, read without waiting), and frees held KV pages whose lease ran out.
+
+A prefill instance holds a finished request's pages under a lease of `hold_seconds`: `extend`
+renews it (a decode instance is copying), `release` ends it, and the loop frees the pages
+when it runs out. So pages are never reused while their lease holds.
 
 The ranks of an expert-parallel instance step in lockstep: every MoE layer of a step is a
 collective of all of them. Before each step they agree (an all-reduce over the instance's
@@ -12,13 +17,12 @@ group) on the readiest rank's state; a rank without sequences then runs an idle 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -26,6 +30,14 @@ import torch.distributed as dist
 from ref_server.engine import Engine, FinishReason, Status
 
 IDLE, BLOCKED, RUNNABLE = 0, 1, 2  # no requests; requests waiting on held pages; work to run
+
+log = logging.getLogger(__name__)
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line for a client: its type and first line, never a traceback."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__
 
 
 class EngineLoop:
@@ -44,86 +56,101 @@ class EngineLoop:
         self.on_failure = on_failure
         self.failure: str | None = None
         self.commands: queue.Queue = queue.Queue()
-        self.events: dict[str, queue.Queue] = {}
-        self.hold_deadlines: dict[str, float] = {}
+        self.sinks: dict[str, Callable[[tuple], None]] = {}
+        self.leases: dict[str, float] = {}  # held request -> when its pages are freed
+        self.load = self._load()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
 
-    def call(self, fn: Callable, timeout: float | None = None):
-        """fn(engine) on the loop thread; its result (or exception) here. RuntimeError once
-        the loop has failed."""
+    # ------------------------------------------------------------ for handlers (any thread)
+
+    def submit(self, fn: Callable) -> Future:
+        """fn(engine) on the loop thread; a future of its result. A loop that has failed
+        fails the future with RuntimeError instead of leaving it pending."""
         future: Future = Future()
         self.commands.put((fn, future))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return future.result(timeout=1.0)
-            except FutureTimeout:
-                if self.failure is not None:
-                    raise RuntimeError(self.failure) from None
-                if deadline is not None and time.monotonic() > deadline:
-                    raise
+        if self.failure is not None:
+            self._drain()
+        return future
 
-    def open(self, request_id: str, admit: Callable) -> tuple[object, queue.Queue]:
-        """Run admit(engine) on the loop thread; its result, and the request's events."""
-        events: queue.Queue = queue.Queue()
+    def open(self, request_id: str, admit: Callable, sink: Callable[[tuple], None]) -> Future:
+        """Run admit(engine), which adds the request; its events go to sink(event), called
+        on the loop thread (it must not block)."""
 
         def register(engine):
-            if request_id in self.events:
+            if request_id in self.sinks:
                 raise ValueError(f"request id {request_id!r} is already in flight here")
-            seq = admit(engine)
-            self.events[request_id] = events
-            return seq
+            result = admit(engine)
+            self.sinks[request_id] = sink
+            return result
 
-        return self.call(register), events
+        return self.submit(register)
 
-    def hold(self, request_id: str) -> None:
-        """Release this request's held pages unless they are released first."""
-
-        def set_deadline(_):
-            self.hold_deadlines[request_id] = time.monotonic() + self.hold_seconds
-
-        self.call(set_deadline)
-
-    def cancel(self, request_id: str) -> bool:
-        """Abort a request now (its KV pages are freed); False if it is not running here."""
+    def cancel(self, request_id: str) -> Future:
+        """Abort a request wherever it is (queued, running, reserved or held): its pages are
+        freed. Does not wait; the future says whether the request was here."""
 
         def abort(engine):
-            seq = engine.abort(request_id)
-            events = self.events.pop(request_id, None)
-            if events is not None:
-                events.put(("done", FinishReason.ABORT))
-            return seq is not None
+            found = engine.abort(request_id) is not None
+            self.leases.pop(request_id, None)
+            self._end(request_id, ("done", FinishReason.ABORT))
+            return found
 
-        return self.call(abort)
+        return self.submit(abort)
+
+    def extend(self, request_id: str, read: Callable = lambda engine: None) -> Future:
+        """Renew a held request's lease and read(engine) under it; the future's result is
+        read's (KeyError when nothing is held under that id)."""
+
+        def renew(engine):
+            if request_id not in engine.scheduler.held:
+                raise KeyError(request_id)
+            self.leases[request_id] = time.monotonic() + self.hold_seconds
+            return read(engine)
+
+        return self.submit(renew)
+
+    def release(self, request_id: str) -> Future:
+        """End a held request's lease and free its pages; False if none was held (it ran out,
+        or was released or aborted)."""
+
+        def end(engine):
+            self.leases.pop(request_id, None)
+            return engine.release(request_id)
+
+        return self.submit(end)
 
     def stop(self) -> None:
         self.stopped = True
         self.commands.put((None, None))
         self.thread.join(timeout=10)
 
-    def load(self) -> dict:
-        scheduler = self.engine.scheduler
+    # ------------------------------------------------------------ the loop thread
+
+    def _load(self) -> dict:
+        engine, scheduler = self.engine, self.engine.scheduler
         return dict(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             kv_usage=scheduler.blocks.usage,
             queued_tokens=sum(len(s.prompt) for s in scheduler.waiting),
-            queued_flops=self.engine.queued_prefill_flops(),
+            queued_flops=engine.queued_prefill_flops(),
+            held=len(scheduler.held) + len(scheduler.reserved),
         )
 
     def _run(self) -> None:
         while not self.stopped:
             self._run_commands(wait=False)
-            self._expire_holds()
+            self._expire_leases()
             try:
                 readiest = self._agree(self._readiness())
             except Exception as error:  # a peer rank died or stopped answering
-                self._fail(f"the instance's ranks lost each other: {error}")
+                self._fail(f"the instance's ranks lost each other: {one_line(error)}")
                 return
             if readiest > IDLE:
                 self._step()
+            self.load = self._load()
             if readiest < RUNNABLE:
                 self._run_commands(wait=True)
 
@@ -150,40 +177,60 @@ class EngineLoop:
             wait = False
             if fn is None:
                 return
+            if not future.set_running_or_notify_cancel():
+                continue
             try:
                 future.set_result(fn(self.engine))
             except Exception as error:  # the handler raises it
                 future.set_exception(error)
 
+    def _drain(self) -> None:
+        """Fail every queued command (the loop has stopped for good)."""
+        while True:
+            try:
+                _, future = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(self.failure))
+
+    def _end(self, request_id: str, event: tuple) -> None:
+        sink = self.sinks.pop(request_id, None)
+        if sink is not None:
+            sink(event)
+
     def _fail(self, message: str) -> None:
         self.failure = message
         self.stopped = True
-        for events in self.events.values():
-            events.put(("error", message))
-        self.events.clear()
+        for request_id in list(self.sinks):
+            self._end(request_id, ("error", message))
+        self._drain()
         self.on_failure()
 
     def _step(self) -> None:
         try:
             updated = self.engine.step()
-        except Exception:
-            message = traceback.format_exc(limit=3)
-            for request_id in list(self.events):
+        except Exception as error:
+            log.exception("engine step failed")
+            message = f"engine step failed: {one_line(error)}"
+            for request_id in list(self.sinks):
                 self.engine.abort(request_id)
-                self.events.pop(request_id).put(("error", message))
+                self._end(request_id, ("error", message))
             return
-        for seq in updated:
-            events = self.events.get(seq.request_id)
-            if events is None:
-                continue
-            events.put(("token", seq.tokens[-1]))
-            if seq.status is Status.FINISHED:
-                events.put(("done", seq.finish_reason))
-                del self.events[seq.request_id]
-
-    def _expire_holds(self) -> None:
         now = time.monotonic()
-        for request_id, deadline in list(self.hold_deadlines.items()):
-            if deadline <= now or request_id not in self.engine.scheduler.held:
+        for seq in updated:
+            sink = self.sinks.get(seq.request_id)
+            if seq.request_id in self.engine.scheduler.held:  # the lease starts as it finishes
+                self.leases[seq.request_id] = now + self.hold_seconds
+            if sink is None:
+                continue
+            sink(("token", seq.tokens[-1]))
+            if seq.status is Status.FINISHED:
+                self._end(seq.request_id, ("done", seq.finish_reason))
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for request_id, deadline in list(self.leases.items()):
+            if deadline <= now:
                 self.engine.release(request_id)
-                del self.hold_deadlines[request_id]
+                del self.leases[request_id]

@@ -1,37 +1,61 @@
-"""The internal services of an instance: Prefill and KvTransfer (prefill role), Decode (decode
-role). Both roles run one engine through an EngineLoop."""
+"""The internal services of an instance, on its asyncio gRPC server: Instance (both roles),
+Prefill and KvTransfer (prefill role), Decode (decode role).
+
+Handlers wait for the engine only through futures and queues, so a busy engine never delays
+another call (a health check, a load report, a cancel). A cancelled call ends its request
+wherever it is and frees its pages: the handler's `finally` queues the abort.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import queue
+import logging
 
 import grpc
 
 from ref_server.engine import FinishReason, QueueFull
+from ref_server.services.aio import Events
 from ref_server.services.engine_loop import EngineLoop
-from ref_server.services.kv_transfer import KvPuller, new_cache_id, shared_cache
-from ref_server.services.messages import (
-    FINISH,
-    BadRequest,
-    page_message,
-    sampling_params,
-)
+from ref_server.services.kv_transfer import KvPuller, TransferError, new_cache_id, shared_cache
+from ref_server.services.messages import FINISH, BadRequest, page_message, sampling_params
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
-
-def _load(loop: EngineLoop) -> pb.WorkerLoad:
-    return pb.WorkerLoad(**loop.call(lambda _: loop.load()))
+log = logging.getLogger(__name__)
 
 
-def _wait(events: queue.Queue, context: grpc.ServicerContext):
-    """The next event, without outliving the RPC's deadline."""
-    remaining = context.time_remaining()
+async def admit(loop: EngineLoop, request_id: str, add, events: Events, context):
+    """add(engine) for a new request, its events to `events`; a refusal aborts the call."""
     try:
-        return events.get(timeout=None if remaining is None else max(remaining, 0.0))
-    except queue.Empty:
-        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the engine")
+        return await asyncio.wrap_future(loop.open(request_id, add, events.put))
+    except QueueFull as error:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    except ValueError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    except RuntimeError as error:  # the loop has failed
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+
+
+async def parsed_sampling(request, limit: int, context):
+    try:
+        return sampling_params(request.sampling, limit)
+    except BadRequest as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+
+class InstanceService(rpc.InstanceServicer):
+    def __init__(self, loop: EngineLoop, info: pb.InstanceInfo, puller: KvPuller | None = None):
+        self.loop, self.info, self.puller = loop, info, puller
+
+    async def Register(self, request, context):
+        if self.puller is not None:
+            self.puller.set_peers(list(request.prefill_addresses))
+        return self.info
+
+    async def GetLoad(self, request, context):
+        mapped = self.puller.num_mapped if self.puller else 0
+        return pb.WorkerLoad(**self.loop.load, mapped_caches=mapped)
 
 
 class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
@@ -40,29 +64,29 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
         self.max_tokens_limit = max_tokens_limit
         self.cache_id = new_cache_id()
 
-    def Prefill(self, request, context):
+    async def Prefill(self, request, context):
+        params = await parsed_sampling(request, self.max_tokens_limit, context)
+        first = dataclasses.replace(params, max_tokens=1)
+        prompt, request_id, salt = list(request.token_ids), request.request_id, request.cache_salt
+
+        def add(engine):
+            return engine.add(prompt, first, request_id, hold_pages=True, cache_salt=salt)
+
+        events = Events()
+        seq = await admit(self.loop, request_id, add, events, context)
+        token, finish, done = None, None, False
         try:
-            params = sampling_params(request.sampling, self.max_tokens_limit)
-            first = dataclasses.replace(params, max_tokens=1)
-            prompt = list(request.token_ids)
-            seq, events = self.loop.open(
-                request.request_id,
-                lambda engine: engine.add(prompt, first, request.request_id, hold_pages=True),
-            )
-        except QueueFull as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except (BadRequest, ValueError) as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        context.add_callback(lambda: self.loop.cancel(request.request_id) or None)
-        token, finish = None, None
-        while finish is None:
-            kind, value = _wait(events, context)
-            if kind == "error":
-                context.abort(grpc.StatusCode.INTERNAL, value)
-            token, finish = (value, None) if kind == "token" else (token, value)
-        if finish is FinishReason.ABORT:
-            context.abort(grpc.StatusCode.CANCELLED, "aborted")
-        self.loop.hold(request.request_id)
+            while finish is None:
+                kind, value = await events.get()
+                if kind == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, value)
+                token, finish = (value, None) if kind == "token" else (token, value)
+            if finish is FinishReason.ABORT:
+                await context.abort(grpc.StatusCode.ABORTED, "the request was aborted")
+            done = True
+        finally:
+            if not done:  # cancelled or failed: nothing may stay held
+                self.loop.cancel(request_id)
         if token in seq.eos_ids or token in params.stop_token_ids:
             request_finish = pb.FINISH_REASON_STOP
         elif params.max_tokens == 1:  # the request's own limit (the prefill always runs 1 token)
@@ -73,87 +97,101 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
         return pb.PrefillResponse(
             first_token=token,
             cached_tokens=seq.num_cached,
-            kv_handle=request.request_id,
+            kv_handle=request_id,
             num_pages=pages,
             finish_reason=request_finish,
+            lease_seconds=self.loop.hold_seconds,
         )
 
-    def GetLoad(self, request, context):
-        return _load(self.loop)
+    async def PrefixMatch(self, request, context):
+        hashes = list(request.page_hashes)
+        lookup = self.loop.submit(lambda engine: len(engine.scheduler.blocks.lookup(hashes)))
+        return pb.PrefixMatchResponse(cached_pages=await asyncio.wrap_future(lookup))
 
-    def PrefixMatch(self, request, context):
-        cached = self.loop.engine.scheduler.blocks.lookup(list(request.page_hashes))
-        return pb.PrefixMatchResponse(cached_pages=len(cached))
-
-    def _held(self, read, kv_handle: str, context):
-        """read(engine) for a held request's KV; NOT_FOUND when none is held."""
+    async def _held(self, kv_handle: str, read, context):
+        """read(engine) for a held request's KV, renewing its lease; NOT_FOUND when none."""
         try:
-            return self.loop.call(read)
+            return await asyncio.wrap_future(self.loop.extend(kv_handle, read))
         except KeyError:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no KV held under {kv_handle!r}")
+            message = f"no KV held under {kv_handle!r} (its lease ran out, or it was released)"
+            await context.abort(grpc.StatusCode.NOT_FOUND, message)
 
-    def Pull(self, request, context):
-        pages = self._held(lambda e: e.pages(request.kv_handle), request.kv_handle, context)
+    async def Pull(self, request, context):
+        handle = request.kv_handle
+        pages = await self._held(handle, lambda engine: engine.pages(handle), context)
         for index, page in enumerate(pages):
-            yield page_message(index, page)
+            yield page_message(index, page, handle)
 
-    def Locate(self, request, context):
-        blocks = self._held(lambda e: e.held_blocks(request.kv_handle), request.kv_handle, context)
-        return pb.KvBlocks(cache_id=self.cache_id, blocks=blocks)
+    async def Locate(self, request, context):
+        handle = request.kv_handle
+        blocks = await self._held(handle, lambda engine: engine.held_blocks(handle), context)
+        return pb.KvBlocks(
+            cache_id=self.cache_id, blocks=blocks, lease_seconds=self.loop.hold_seconds
+        )
 
-    def ShareCache(self, request, context):
+    async def ShareCache(self, request, context):
         return shared_cache(self.loop.engine.runner.cache, self.cache_id)
 
-    def Release(self, request, context):
-        self.loop.call(lambda engine: engine.release(request.kv_handle))
+    async def Release(self, request, context):
+        if not await asyncio.wrap_future(self.loop.release(request.kv_handle)):
+            message = (
+                f"no KV held under {request.kv_handle!r} (its lease ran out, or it was released)"
+            )
+            await context.abort(grpc.StatusCode.NOT_FOUND, message)
         return pb.ReleaseResponse()
 
 
 class DecodeService(rpc.DecodeServicer):
-    def __init__(self, loop: EngineLoop, max_tokens_limit: int) -> None:
+    def __init__(self, loop: EngineLoop, max_tokens_limit: int, puller: KvPuller) -> None:
         self.loop = loop
         self.max_tokens_limit = max_tokens_limit
-        args, config = loop.engine.model.args, loop.engine.scheduler.config
-        page_shape = (args.num_hidden_layers, config.block_size, args.cache_width)
-        self.kv = KvPuller(page_shape, loop.engine.runner.device)
+        self.puller = puller
 
-    def Decode(self, request, context):
-        try:
-            params = sampling_params(request.sampling, self.max_tokens_limit)
-        except BadRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        try:
-            pages, method = self.kv.pull(request.prefill_address, request.kv_handle)
-        except grpc.RpcError as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {error.details()}")
-        prompt = list(request.token_ids)
-        try:
-            _, events = self.loop.open(
-                request.request_id,
-                lambda engine: engine.add_prefilled(
-                    prompt, request.first_token, params, request.request_id, pages
-                ),
-            )
-        except QueueFull as error:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except ValueError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        context.add_callback(lambda: self.loop.cancel(request.request_id) or None)
-        yield pb.DecodeResponse(kv_transfer=method)
-        while True:
-            kind, value = _wait(events, context)
-            if kind == "error":
-                context.abort(grpc.StatusCode.INTERNAL, value)
-            if kind == "token":
-                yield pb.DecodeResponse(token_ids=[value])
-            else:
-                yield pb.DecodeResponse(finish_reason=FINISH[value])
-                return
+    async def Decode(self, request, context):
+        params = await parsed_sampling(request, self.max_tokens_limit, context)
+        if request.prefill_address not in self.puller.peers:
+            message = f"{request.prefill_address!r} is not a registered prefill instance"
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+        prompt, request_id = list(request.token_ids), request.request_id
 
-    def Abort(self, request, context):
-        if not self.loop.cancel(request.request_id):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"{request.request_id!r} is not decoding here")
-        return pb.AbortResponse()
+        def reserve(engine):
+            first, salt = request.first_token, request.cache_salt
+            return engine.reserve(prompt, first, params, request_id, salt)
 
-    def GetLoad(self, request, context):
-        return _load(self.loop)
+        events = Events()
+        targets = await admit(self.loop, request_id, reserve, events, context)
+        finished = False
+        try:
+            method = await self._pull(request, targets, context)
+            await asyncio.wrap_future(self.loop.submit(lambda engine: engine.start(request_id)))
+            yield pb.DecodeResponse(kv_transfer=method)
+            while True:
+                kind, value = await events.get()
+                if kind == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, value)
+                if kind == "token":
+                    yield pb.DecodeResponse(token_ids=[value])
+                else:
+                    finished = True
+                    yield pb.DecodeResponse(finish_reason=FINISH[value])
+                    return
+        finally:
+            if not finished:  # cancelled or failed: free the reserved or running pages
+                self.loop.cancel(request_id)
+
+    async def _pull(self, request, targets, context) -> int:
+        """The KV into the reserved pages. Cancelled, it still waits for the copy to end:
+        the pages must not be freed under it."""
+        pull = asyncio.ensure_future(
+            self.puller.pull(request.prefill_address, request.kv_handle, targets, request.num_pages)
+        )
+        try:
+            return await asyncio.shield(pull)
+        except asyncio.CancelledError:
+            await asyncio.wait([pull])
+            if not pull.cancelled():
+                pull.exception()  # seen: the request is gone, whatever the copy did
+            raise
+        except TransferError as error:
+            log.warning("KV transfer for %s failed: %s", request.request_id, error)
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {error}")

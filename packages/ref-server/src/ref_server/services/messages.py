@@ -3,6 +3,8 @@ INVALID_ARGUMENT (one precise message each)."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from ref_server.engine import FinishReason
@@ -14,27 +16,36 @@ FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+# The cache dtypes a page may come in: a name from the wire never reaches getattr(torch, ...).
+PAGE_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8)
+}
 
 
 class BadRequest(ValueError):
     """A request the client must fix: INVALID_ARGUMENT."""
 
 
+def checked_sampling(max_tokens_limit: int, **fields) -> SamplingParams:
+    """SamplingParams from fields (max_tokens, temperature, ...), or BadRequest naming the
+    first bad one."""
+    max_tokens = fields.get("max_tokens", 0)
+    if max_tokens <= 0:
+        raise BadRequest(f"max_tokens must be > 0, got {max_tokens}")
+    if max_tokens > max_tokens_limit:
+        raise BadRequest(f"max_tokens {max_tokens} is over the limit of {max_tokens_limit}")
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+
+
 def sampling_params(message: pb.SamplingParams, max_tokens_limit: int) -> SamplingParams:
-    if message.max_tokens <= 0:
-        raise BadRequest(f"max_tokens must be > 0, got {message.max_tokens}")
-    if message.max_tokens > max_tokens_limit:
-        raise BadRequest(f"max_tokens {message.max_tokens} is over the limit of {max_tokens_limit}")
-    if message.temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {message.temperature:g}")
-    top_p = message.top_p if message.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p:g}")
-    if message.top_k < 0:
-        raise BadRequest(f"top_k must be >= 0, got {message.top_k}")
-    return SamplingParams(
+    return checked_sampling(
+        max_tokens_limit,
         temperature=message.temperature,
-        top_p=top_p,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
         top_k=message.top_k,
         max_tokens=message.max_tokens,
         seed=message.seed,
@@ -42,14 +53,38 @@ def sampling_params(message: pb.SamplingParams, max_tokens_limit: int) -> Sampli
     )
 
 
-def page_message(index: int, page: torch.Tensor) -> pb.KvPage:
-    """A `[layers, page_size, 576]` page as bytes (bf16 and fp16 travel as 16-bit words)."""
-    words = page.contiguous().view(torch.int16) if page.element_size() == 2 else page.contiguous()
-    return pb.KvPage(index=index, data=words.numpy().tobytes(), dtype=str(page.dtype))
+# Pages travel as integer words of their dtype's size (numpy knows neither bf16 nor fp8).
+WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def sampling_message(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop_token_ids=params.stop_token_ids,
+        seed=params.seed,
+    )
+
+
+def page_message(index: int, page: torch.Tensor, kv_handle: str) -> pb.KvPage:
+    """A `[layers, page_size, width]` page as bytes, with its checksum."""
+    data = page.contiguous().view(WORDS[page.element_size()]).numpy().tobytes()
+    dtype = str(page.dtype).removeprefix("torch.")
+    return pb.KvPage(
+        index=index, data=data, dtype=dtype, kv_handle=kv_handle, crc32=zlib.crc32(data)
+    )
 
 
 def page_tensor(message: pb.KvPage, shape: tuple[int, ...]) -> torch.Tensor:
-    dtype = getattr(torch, message.dtype.removeprefix("torch."))
-    carrier = torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
-    words = torch.frombuffer(bytearray(message.data), dtype=carrier)
+    """The page a KvPage carries; ValueError when it is damaged or not a page of `shape`."""
+    dtype = PAGE_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise ValueError(f"page {message.index} has an unknown dtype {message.dtype!r}")
+    if zlib.crc32(message.data) != message.crc32:
+        raise ValueError(f"page {message.index} fails its checksum")
+    if len(message.data) != torch.Size(shape).numel() * dtype.itemsize:
+        raise ValueError(f"page {message.index} holds {len(message.data)} bytes, not {shape}")
+    words = torch.frombuffer(bytearray(message.data), dtype=WORDS[dtype.itemsize])
     return words.view(dtype).view(shape)

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics, served over HTTP (`/metrics`)."""
+"""The router's Prometheus metrics (served at `/metrics` on its HTTP port)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -26,7 +26,15 @@ class Metrics:
             buckets=buckets,
             registry=r,
         )
-        self.requests = Counter("ref_server_requests", "finished requests", ["outcome"], registry=r)
+        self.requests = Counter(
+            "ref_server_requests", "ended requests, by outcome", ["outcome"], registry=r
+        )
+        self.aborts = Counter(
+            "ref_server_pd_aborts",
+            "requests aborted or cancelled, by the stage they were in",
+            ["stage"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("ref_server_prompt_tokens", "prompt tokens", registry=r)
         self.cached_tokens = Counter(
             "ref_server_cached_tokens", "prompt tokens from the prefix cache", registry=r
@@ -38,11 +46,15 @@ class Metrics:
             ["method"],
             registry=r,
         )
+        self.transfer_failures = Counter(
+            "ref_server_kv_transfer_failures", "KV transfers that failed", registry=r
+        )
         self.tokens_per_s = Gauge(
             "ref_server_output_tokens_per_second",
             "generated tokens/s over the last 10 s",
             registry=r,
         )
+        self.inflight = Gauge("ref_server_requests_in_flight", "admitted requests", registry=r)
         self.waiting = Gauge(
             "ref_server_worker_waiting", "requests waiting in a worker", ["worker"], registry=r
         )
@@ -74,5 +86,12 @@ class Metrics:
             span = max(now - self._recent[0][0], 1.0)
             self.tokens_per_s.set(sum(n for _, n in self._recent) / span)
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, addr="127.0.0.1", registry=self.registry)
+    def show_workers(self, workers) -> None:
+        for w in workers:
+            self.healthy.labels(w.name).set(int(w.routable))
+            self.waiting.labels(w.name).set(w.load.waiting)
+            self.running.labels(w.name).set(w.load.running)
+            self.kv_usage.labels(w.name).set(w.load.kv_usage)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

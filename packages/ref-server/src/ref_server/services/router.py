@@ -1,69 +1,53 @@
-"""The public Router service: validation, the prefill and decode balancers, streaming.
+"""The router's request flow, shared by its gRPC and HTTP APIs.
 
-A request goes to the prefill instance that already caches the longest prefix of its prompt
-(then the one with the fewest queued prompt tokens), which computes its KV and first token; then
-to the decode instance with the lowest KV use (then the fewest running requests), which pulls
-the KV and streams the rest. A worker that fails a call is marked unhealthy and skipped until
-its health service answers SERVING again.
+    submission = router.submission(prompt, params, stops, request_id, owner, tenant, deadline)
+    async for event in router.generate(submission): ...   # Tokens, then one Finished
+
+A request is admitted (at most `max_inflight` at once, else RESOURCE_EXHAUSTED at once), then
+runs as its own task: a prefill instance computes its KV and first token; then a decode
+instance with room reserves pages, pulls the KV and streams the rest. Requests wait for
+decode room first come first served, for at most `queue_timeout_s` and never past their KV's
+lease. Without a client deadline a request runs up to `request_timeout_s`.
+
+However a request ends (finish, stop string, Abort, a client gone, deadline, error, at any
+stage), its task's `finally` releases its KV at the prefill instance and the cancelled calls
+free its pages at the instances; the instances' ids are the router's own (a fresh one per
+request), so a client reusing an id can never touch another request's pages.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
+import contextlib
+import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ref_server.engine import prefix_hashes
 from ref_server.model import SamplingParams
-from ref_server.services.messages import BadRequest, sampling_params
+from ref_server.services.aio import background
+from ref_server.services.engine_loop import one_line
+from ref_server.services.messages import sampling_message
 from ref_server.services.metrics import Metrics
+from ref_server.services.text import TextStream
+from ref_server.services.workers import Worker, WorkerPool
 from ref_server.v1 import serving_pb2 as pb
-from ref_server.v1 import serving_pb2_grpc as rpc
 
-WORKER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-
+log = logging.getLogger(__name__)
 TRANSFER_LABELS = {pb.KV_TRANSFER_METHOD_GRPC: "grpc", pb.KV_TRANSFER_METHOD_CUDA_IPC: "cuda_ipc"}
+RETRY_AFTER_S = 1.0
 
 
-@dataclass
-class Worker:
-    role: str
-    address: str
-    channel: grpc.Channel = field(init=False)
-    healthy: bool = True
-    assigned: int = 0  # requests this router has in flight there (loads lag behind)
+class RequestError(Exception):
+    """How a request failed, as a gRPC status (the HTTP API maps it to its own)."""
 
-    def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.address)
-        stub = rpc.PrefillStub if self.role == "prefill" else rpc.DecodeStub
-        self.stub = stub(self.channel)
-        self.kv = rpc.KvTransferStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-
-@dataclass
-class InFlight:
-    """A request between admission and its last message."""
-
-    call: grpc.Future | None = None  # its decode call, once started
-    aborted: bool = False
-
-
-@dataclass
-class _Job:
-    """One Generate call on its way through the router."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    sampling: pb.SamplingParams
-    context: grpc.ServicerContext
-    entry: InFlight
-    stream: _Stream
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.code, self.message, self.retry_after = code, message, retry_after
 
 
 @dataclass
@@ -78,314 +62,325 @@ class ModelFacts:
     page_bytes: int
 
 
-class RouterService(rpc.RouterServicer):
+@dataclass
+class Limits:
+    max_inflight: int = 1024
+    request_timeout_s: float = 3600.0  # the ceiling of a request without a deadline
+    queue_timeout_s: float = 30.0  # how long a request may wait for decode room
+
+
+@dataclass
+class Submission:
+    prompt: list[int]
+    params: SamplingParams
+    stops: list[str]
+    request_id: str  # the client's
+    owner: str  # who may abort it: the API key's tenant, else the connection
+    cache_salt: bytes
+    deadline: float  # time.monotonic()
+
+
+@dataclass
+class Tokens:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: int  # pb.FinishReason
+    usage: pb.Usage
+
+
+@dataclass(eq=False)
+class Flight:
+    """An admitted request."""
+
+    submission: Submission
+    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    stage: str = "queued"  # queued, prefill, handoff, decode
+    task: asyncio.Task | None = None
+    aborted: bool = False
+    completion: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+
+
+class DecodeRoom:
+    """Requests waiting for a decode instance with room, woken first come first served."""
+
+    def __init__(self) -> None:
+        self.waiters: deque[asyncio.Future] = deque()
+
+    async def wait(self, timeout: float) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if waiter in self.waiters:
+                self.waiters.remove(waiter)
+
+    def freed(self, count: int = 1) -> None:
+        while count and self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                count -= 1
+
+
+class Router:
     def __init__(
         self,
-        prefill: list[str],
-        decode: list[str],
+        pool: WorkerPool,
         model: ModelFacts,
         tokenizer,
         metrics: Metrics,
-        max_request_bytes: int = 1 << 20,
+        limits: Limits,
     ) -> None:
-        if not prefill or not decode:
-            raise ValueError("the router needs at least one prefill and one decode address")
-        self.workers = [Worker("prefill", a) for a in prefill]
-        self.workers += [Worker("decode", a) for a in decode]
-        self.model = model
-        self.max_request_bytes = max_request_bytes
-        self.tokenizer = tokenizer
-        self.metrics = metrics
-        self.inflight: dict[str, InFlight] = {}
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        threading.Thread(target=self._watch, name="router-health", daemon=True).start()
+        self.pool, self.model, self.tokenizer = pool, model, tokenizer
+        self.metrics, self.limits = metrics, limits
+        self.inflight: dict[tuple[str, str], Flight] = {}
+        self.room = DecodeRoom()
 
-    # ------------------------------------------------------------ balancers
+    # ------------------------------------------------------------ admission
 
-    def _healthy(self, role: str) -> list[Worker]:
-        found = [w for w in self.workers if w.role == role and w.healthy]
-        if not found:
-            raise LookupError(f"no healthy {role} instance")
-        return found
-
-    def _load(self, worker: Worker) -> pb.WorkerLoad:
-        return worker.stub.GetLoad(pb.GetLoadRequest(), timeout=2)
-
-    def pick_prefill(self, prompt: list[int]) -> Worker:
-        """The prefill instance caching the longest prefix of `prompt`, then the one with the
-        least prefill work queued (matmuls and attention, in FLOPs); its `assigned` count
-        already includes this request."""
-        hashes = prefix_hashes(prompt[:-1], self.model.page_size)
-        candidates = []
-        for worker in self._healthy("prefill"):
-            try:
-                match = pb.PrefixMatchRequest(page_hashes=hashes)
-                cached = worker.stub.PrefixMatch(match, timeout=2).cached_pages
-                candidates.append((worker, cached, self._load(worker)))
-            except grpc.RpcError:
-                self._down(worker)
-        if not candidates:
-            raise LookupError("no healthy prefill instance")
-        with self.lock:  # concurrent picks see each other's choices
-            worker, _, _ = min(
-                candidates, key=lambda c: (-c[1], c[2].queued_flops, c[0].assigned, c[2].running)
-            )
-            worker.assigned += 1
-        return worker
-
-    def pick_decode(self) -> Worker:
-        """The decode instance for a request; its `assigned` count already includes it."""
-        loads = []
-        for worker in self._healthy("decode"):
-            try:
-                loads.append((worker, self._load(worker)))
-            except grpc.RpcError:
-                self._down(worker)
-        if not loads:
-            raise LookupError("no healthy decode instance")
-        with self.lock:  # concurrent picks see each other's choices
-            worker, _ = min(
-                loads, key=lambda w: (w[1].kv_usage, w[0].assigned, w[1].running + w[1].waiting)
-            )
-            worker.assigned += 1
-        return worker
-
-    def _worker_error(self, worker: Worker, error: grpc.RpcError) -> grpc.StatusCode:
-        """A failed call to a worker: the code for the client; a worker down is marked so."""
-        if error.code() in WORKER_DOWN:
-            self._down(worker)
-            return grpc.StatusCode.UNAVAILABLE
-        return error.code()
-
-    def _down(self, worker: Worker) -> None:
-        worker.healthy = False
-        self.metrics.healthy.labels(worker.address).set(0)
-
-    def _watch(self) -> None:
-        """Every second: worker health (down ones come back when SERVING) and load gauges."""
-        while not self.stop.wait(1.0):
-            for worker in self.workers:
-                try:
-                    status = worker.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    worker.healthy = status == health_pb2.HealthCheckResponse.SERVING
-                    load = self._load(worker) if worker.healthy else None
-                except grpc.RpcError:
-                    worker.healthy, load = False, None
-                self.metrics.healthy.labels(worker.address).set(int(worker.healthy))
-                if load is not None:
-                    self.metrics.waiting.labels(worker.address).set(load.waiting)
-                    self.metrics.running.labels(worker.address).set(load.running)
-                    self.metrics.kv_usage.labels(worker.address).set(load.kv_usage)
-
-    # ------------------------------------------------------------ the API
-
-    def _prompt(self, request) -> list[int]:
-        kind = request.WhichOneof("input")
-        if kind is None:
-            raise BadRequest("the request has neither text nor token_ids")
-        prompt = (
-            self.tokenizer.encode(request.text) if kind == "text" else list(request.token_ids.ids)
-        )
+    def submission(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        stops: list[str],
+        request_id: str,
+        owner: str,
+        cache_salt: bytes = b"",
+        timeout: float | None = None,
+    ) -> Submission:
+        """A checked request (RequestError INVALID_ARGUMENT naming what is wrong)."""
         if not prompt:
-            raise BadRequest("empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise BadRequest(f"token id {bad[0]} outside [0, {self.model.vocab_size})")
-        return prompt
-
-    def Generate(self, request, context):
-        request_id = request.request_id or uuid.uuid4().hex
-        try:
-            if request.ByteSize() > self.max_request_bytes:
-                raise BadRequest(
-                    f"request of {request.ByteSize()} bytes is over the limit of "
-                    f"{self.max_request_bytes}"
-                )
-            prompt = self._prompt(request)
-            params = sampling_params(request.sampling, self.model.max_model_len)
-            if len(prompt) + params.max_tokens > self.model.max_model_len:
-                raise BadRequest(
-                    f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds "
-                    f"the context limit of {self.model.max_model_len}"
-                )
-        except BadRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        with self.lock:
-            if request_id in self.inflight:
-                message = f"request id {request_id!r} is in flight"
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            entry = self.inflight[request_id] = InFlight()
-        stream = _Stream(self.tokenizer, request.sampling.stop)
-        job = _Job(request_id, prompt, params, request.sampling, context, entry, stream)
-        try:
-            yield from self._run(job)
-        finally:
-            with self.lock:
-                self.inflight.pop(request_id, None)
-
-    def _run(self, job: _Job):
-        start = time.monotonic()
-        prefilled = yield from self._prefill(job)
-        if prefilled is None:
-            return
-        prefill, first = prefilled
-        self.metrics.ttft.observe(time.monotonic() - start)
-        finish = pb.FINISH_REASON_STOP if job.stream.stopped else None
-        if job.entry.aborted:
-            finish = pb.FINISH_REASON_ABORT
-        if first.finish_reason or finish is not None:
-            prefill.kv.Release(pb.ReleaseRequest(kv_handle=first.kv_handle), timeout=5)
-            finish = finish or first.finish_reason
-        else:
-            finish = yield from self._decode(job, prefill, first)
-            if finish is None:
-                return
-        if len(job.stream.tokens) > 1:
-            self.metrics.tpot.observe((time.monotonic() - start) / len(job.stream.tokens))
-        self.metrics.requests.labels("ok").inc()
-        usage = pb.Usage(
-            prompt_tokens=len(job.prompt),
-            completion_tokens=len(job.stream.tokens),
-            cached_tokens=first.cached_tokens,
-        )
-        complete = pb.Complete(finish_reason=finish, usage=usage)
-        yield pb.GenerateResponse(request_id=job.request_id, complete=complete)
-
-    def _prefill(self, job: _Job):
-        """The prefill call; yields the first token's chunk. Returns (instance, response), or
-        None once a failure is reported."""
-        try:
-            prefill = self.pick_prefill(job.prompt)
-            try:
-                message = pb.PrefillRequest(
-                    request_id=job.request_id, token_ids=job.prompt, sampling=job.sampling
-                )
-                first = prefill.stub.Prefill(message, timeout=job.context.time_remaining())
-            finally:
-                prefill.assigned -= 1
-        except LookupError as error:
-            yield from self._fail(job, grpc.StatusCode.UNAVAILABLE, str(error))
-            return None
-        except grpc.RpcError as error:
-            code = self._worker_error(prefill, error)
-            yield from self._fail(job, code, f"prefill failed: {error.details()}")
-            return None
-        self.metrics.prompt_tokens.inc(len(job.prompt))
-        self.metrics.cached_tokens.inc(first.cached_tokens)
-        yield self._chunk(job, [first.first_token])
-        return prefill, first
-
-    def _decode(self, job: _Job, prefill: Worker, first: pb.PrefillResponse):
-        """The decode call; yields its tokens' chunks. Returns the finish reason, or None once
-        a failure is reported."""
-        try:
-            decode = self.pick_decode()
-        except LookupError as error:
-            prefill.kv.Release(pb.ReleaseRequest(kv_handle=first.kv_handle), timeout=5)
-            yield from self._fail(job, grpc.StatusCode.UNAVAILABLE, str(error))
-            return None
-        finish = None
-        try:
-            message = pb.DecodeRequest(
-                request_id=job.request_id,
-                token_ids=job.prompt,
-                first_token=first.first_token,
-                sampling=job.sampling,
-                prefill_address=prefill.address,
-                kv_handle=first.kv_handle,
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        bad = next((t for t in prompt if not 0 <= t < self.model.vocab_size), None)
+        if bad is not None:
+            message = f"token id {bad} outside [0, {self.model.vocab_size})"
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        if len(prompt) + params.max_tokens > self.model.max_model_len:
+            message = (
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
+                f"context limit of {self.model.max_model_len}"
             )
-            call = decode.stub.Decode(message, timeout=job.context.time_remaining())
-            with self.lock:
-                job.entry.call = call
-                if job.entry.aborted:  # an Abort that came while the decode call started
-                    call.cancel()
-            job.context.add_callback(call.cancel)
-            for message in call:
-                if message.kv_transfer:
-                    method = TRANSFER_LABELS[message.kv_transfer]
-                    self.metrics.transfer_bytes.labels(method).inc(
-                        first.num_pages * self.model.page_bytes
-                    )
-                if message.token_ids:
-                    yield self._chunk(job, list(message.token_ids))
-                    if job.stream.stopped:
-                        call.cancel()
-                        return pb.FINISH_REASON_STOP
-                if message.finish_reason:
-                    finish = message.finish_reason
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.CANCELLED and finish is None:
-                return pb.FINISH_REASON_ABORT  # Abort, or the client went away
-            if finish is None:
-                code = self._worker_error(decode, error)
-                yield from self._fail(job, code, f"decode failed: {error.details()}")
-                return None
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        ceiling = self.limits.request_timeout_s
+        budget = ceiling if timeout is None else min(timeout, ceiling)
+        deadline = time.monotonic() + budget
+        return Submission(prompt, params, list(stops), request_id, owner, cache_salt, deadline)
+
+    async def generate(self, submission: Submission):
+        """The request's events: Tokens as they come, then Finished; RequestError on failure."""
+        key = (submission.owner, submission.request_id)
+        if len(self.inflight) >= self.limits.max_inflight:
+            self.metrics.requests.labels("resource_exhausted").inc()
+            message = f"{len(self.inflight)} requests in flight, the limit; retry later"
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, RETRY_AFTER_S)
+        if key in self.inflight:
+            message = f"request id {submission.request_id!r} is in flight"
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        flight = self.inflight[key] = Flight(submission)
+        self.metrics.inflight.set(len(self.inflight))
+        events: asyncio.Queue = asyncio.Queue()
+        flight.task = asyncio.create_task(self._run(flight, events))
+        try:
+            while (event := await events.get()) is not None:
+                if isinstance(event, RequestError):
+                    raise event
+                yield event
         finally:
-            decode.assigned -= 1
-        return finish
+            flight.task.cancel()  # the client went away: the task frees what it holds
 
-    def _fail(self, job: _Job, code: grpc.StatusCode, message: str):
-        self.metrics.requests.labels(code.name.lower()).inc()
-        error = pb.Error(code=code.value[0], message=message)
-        yield pb.GenerateResponse(request_id=job.request_id, error=error)
-        job.context.abort(code, message)
+    def abort(self, owner: str, request_id: str) -> bool:
+        """End a request of this owner; False when it has none of that id in flight."""
+        flight = self.inflight.get((owner, request_id))
+        if flight is None or flight.task is None:
+            return False
+        flight.aborted = True
+        flight.task.cancel()
+        return True
 
-    def _chunk(self, job: _Job, tokens: list[int]) -> pb.GenerateResponse:
-        self.metrics.count_output(len(tokens))
-        chunk = pb.Chunk(token_ids=tokens, text=job.stream.add(tokens))
-        return pb.GenerateResponse(request_id=job.request_id, chunk=chunk)
+    # ------------------------------------------------------------ one request
 
-    def Abort(self, request, context):
-        with self.lock:
-            entry = self.inflight.get(request.request_id)
-            if entry is not None:
-                entry.aborted = True
-                if entry.call is not None:
-                    entry.call.cancel()
-        if entry is None:
-            message = f"unknown request id {request.request_id!r}"
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        return pb.AbortResponse()
+    def _remaining(self, flight: Flight) -> float:
+        left = flight.submission.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return left
 
-    def GetModelInfo(self, request, context):
-        m = self.model
-        return pb.ModelInfo(
-            name=m.name,
-            vocab_size=m.vocab_size,
-            max_model_len=m.max_model_len,
-            num_layers=m.num_layers,
-            num_parameters=m.num_parameters,
-            eos_token_ids=m.eos_token_ids,
+    def _usage(self, flight: Flight) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=len(flight.submission.prompt),
+            completion_tokens=len(flight.completion),
+            cached_tokens=flight.cached_tokens,
         )
 
-    def GetServerInfo(self, request, context):
-        infos = []
-        for worker in self.workers:
+    async def _run(self, flight: Flight, events: asyncio.Queue) -> None:
+        submission, start = flight.submission, time.monotonic()
+        text = TextStream(self.tokenizer.decoder(), submission.stops)
+        prefill = None
+        try:
+            flight.stage = "prefill"
+            prefill, first = await self._prefill(flight)
+            self.metrics.ttft.observe(time.monotonic() - start)
+            self._tokens(flight, text, events, [first.first_token])
+            finish = first.finish_reason or (pb.FINISH_REASON_STOP if text.stopped else None)
+            if finish is None:
+                flight.stage = "handoff"
+                finish = await self._decode(flight, prefill, first, text, events)
+            if not text.stopped and (tail := text.finish()):
+                events.put_nowait(Tokens([], tail))
+            if len(flight.completion) > 1:
+                gap = (time.monotonic() - start) / len(flight.completion)
+                self.metrics.tpot.observe(gap)
+            self.metrics.requests.labels("ok").inc()
+            events.put_nowait(Finished(finish, self._usage(flight)))
+        except asyncio.CancelledError:
+            self.metrics.aborts.labels(flight.stage).inc()
+            self.metrics.requests.labels("abort" if flight.aborted else "cancelled").inc()
+            if flight.aborted:
+                events.put_nowait(Finished(pb.FINISH_REASON_ABORT, self._usage(flight)))
+        except RequestError as error:
+            self.metrics.requests.labels(error.code.name.lower()).inc()
+            events.put_nowait(error)
+        except Exception as error:
+            log.exception("request %s failed", flight.internal_id)
+            self.metrics.requests.labels("internal").inc()
+            events.put_nowait(RequestError(grpc.StatusCode.INTERNAL, one_line(error)))
+        finally:
+            if prefill is not None:  # whatever the decode instance did, nothing stays held
+                background(self._release(prefill, flight.internal_id))
+            del self.inflight[(submission.owner, submission.request_id)]
+            self.metrics.inflight.set(len(self.inflight))
+            events.put_nowait(None)
+
+    def _tokens(self, flight: Flight, text: TextStream, events, token_ids: list[int]) -> None:
+        flight.completion += token_ids
+        self.metrics.count_output(len(token_ids))
+        events.put_nowait(Tokens(token_ids, text.add(token_ids)))
+
+    async def _release(self, prefill: Worker, handle: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):  # released already, or the lease ran out
+            await prefill.kv.Release(pb.ReleaseRequest(kv_handle=handle), timeout=10)
+
+    def _failure(self, worker: Worker, error: grpc.aio.AioRpcError, hop: str) -> RequestError:
+        """A failed call to an instance, for the client (one line, never a traceback)."""
+        code = error.code()
+        details = (error.details() or code.name).splitlines()[0]
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return RequestError(code, f"{hop}: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return RequestError(code, f"{hop}: {details}; retry later", RETRY_AFTER_S)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.pool.failed(worker)
+        return RequestError(grpc.StatusCode.UNAVAILABLE, f"{hop} failed: {details}")
+
+    async def _prefill(self, flight: Flight):
+        """(instance, PrefillResponse); another instance when one is unreachable."""
+        submission, tried = flight.submission, set()
+        hashes = prefix_hashes(submission.prompt[:-1], self.model.page_size, submission.cache_salt)
+        message = pb.PrefillRequest(
+            request_id=flight.internal_id,
+            token_ids=submission.prompt,
+            sampling=sampling_message(submission.params),
+            cache_salt=submission.cache_salt,
+        )
+        while True:
+            worker = await self.pool.pick_prefill(hashes, tried)
+            if worker is None:
+                problem = self.pool.problem or "no prefill instance could take the request"
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
+            worker.assigned += 1
             try:
-                load = self._load(worker)
-            except grpc.RpcError:
-                load = None
-            healthy = worker.healthy and load is not None
-            info = pb.WorkerInfo(role=worker.role, address=worker.address, healthy=healthy)
-            if load is not None:
-                info.load.CopyFrom(load)
-            infos.append(info)
-        return pb.ServerInfo(workers=infos)
+                first = await worker.prefill.Prefill(message, timeout=self._remaining(flight))
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.failed(worker)
+                    tried.add(worker)
+                    continue
+                raise self._failure(worker, error, "prefill") from None
+            finally:
+                worker.assigned -= 1
+            flight.cached_tokens = first.cached_tokens
+            self.metrics.prompt_tokens.inc(len(submission.prompt))
+            self.metrics.cached_tokens.inc(first.cached_tokens)
+            return worker, first
 
+    async def _decode(self, flight, prefill: Worker, first, text: TextStream, events) -> int:
+        """Stream the decode instance's tokens; the finish reason."""
+        submission = flight.submission
+        lease_end = time.monotonic() + first.lease_seconds - 1.0  # a second for the copy
+        room_deadline = min(time.monotonic() + self.limits.queue_timeout_s, lease_end)
+        message = pb.DecodeRequest(
+            request_id=flight.internal_id,
+            token_ids=submission.prompt,
+            first_token=first.first_token,
+            sampling=sampling_message(submission.params),
+            prefill_address=prefill.address,
+            kv_handle=first.kv_handle,
+            num_pages=first.num_pages,
+            cache_salt=submission.cache_salt,
+        )
+        tried: set[Worker] = set()
+        while True:
+            if not any(w.routable for w in self.pool.of("decode")):
+                problem = self.pool.problem or "no healthy decode instance"
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
+            worker = self.pool.pick_decode(tried)
+            if worker is None:
+                await self._wait_for_room(flight, room_deadline)
+                tried.clear()
+                continue
+            worker.assigned += 1
+            call = worker.decode.Decode(message, timeout=self._remaining(flight))
+            try:
+                opening = await call.read()
+                if opening is grpc.aio.EOF:
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, "decode ended before it began")
+                flight.stage = "decode"
+                label = TRANSFER_LABELS[opening.kv_transfer]
+                transfer = first.num_pages * self.model.page_bytes
+                self.metrics.transfer_bytes.labels(label).inc(transfer)
+                return await self._stream(flight, call, text, events)
+            except grpc.aio.AioRpcError as error:
+                code = error.code()
+                if flight.stage == "decode":  # tokens went out: the request cannot move
+                    raise self._failure(worker, error, "decode") from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no pages there now
+                    tried.add(worker)
+                    continue
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED):
+                    self.pool.failed(worker)  # unreachable, or it has not heard of the prefill
+                    tried.add(worker)
+                    continue
+                if code == grpc.StatusCode.ABORTED:  # the KV could not be had: not its fault
+                    self.metrics.transfer_failures.inc()
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, error.details()) from None
+                raise self._failure(worker, error, "decode") from None
+            finally:
+                call.cancel()
+                worker.assigned -= 1
+                if flight.stage == "decode":  # it held room there, now free for the next
+                    self.room.freed()
 
-class _Stream:
-    """The text of a completion as it grows, and whether it reached a stop string."""
+    async def _wait_for_room(self, flight: Flight, room_deadline: float) -> None:
+        left = min(room_deadline, flight.submission.deadline) - time.monotonic()
+        if left <= 0:
+            message = "no decode instance had room in time; retry later"
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, RETRY_AFTER_S)
+        await self.room.wait(min(left, 1.0))  # woken when a decode call ends, else polls
 
-    def __init__(self, tokenizer, stops) -> None:
-        self.tokenizer, self.stops = tokenizer, list(stops)
-        self.tokens: list[int] = []
-        self.text = ""
-        self.stopped = False
-
-    def add(self, tokens: list[int]) -> str:
-        self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens)
-        new, self.text = text[len(self.text) :], text
-        self.stopped = any(stop in text for stop in self.stops if stop)
-        return new
+    async def _stream(self, flight: Flight, call, text: TextStream, events) -> int:
+        while (message := await call.read()) is not grpc.aio.EOF:
+            if message.token_ids:
+                self._tokens(flight, text, events, list(message.token_ids))
+                if text.stopped:
+                    return pb.FINISH_REASON_STOP
+            if message.finish_reason:
+                return message.finish_reason
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended without a finish")

@@ -143,40 +143,80 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "healthy", "load")
+    __slots__ = ("name", "role", "healthy", "load", "problem")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    name: str
     role: str
-    address: str
     healthy: bool
     load: WorkerLoad
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: bool = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    problem: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., healthy: bool = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "serving", "problem")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    serving: bool
+    problem: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., serving: bool = ..., problem: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "queued_tokens", "queued_flops")
+    __slots__ = ("running", "waiting", "kv_usage", "queued_tokens", "queued_flops", "held", "mapped_caches")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_CACHES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
     queued_tokens: int
     queued_flops: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., queued_flops: _Optional[float] = ...) -> None: ...
+    held: int
+    mapped_caches: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., queued_flops: _Optional[float] = ..., held: _Optional[int] = ..., mapped_caches: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("prefill_addresses",)
+    PREFILL_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    prefill_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prefill_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("role", "model", "model_fingerprint", "num_layers", "page_size", "cache_width", "cache_dtype", "max_running", "rank", "ranks")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    model: str
+    model_fingerprint: str
+    num_layers: int
+    page_size: int
+    cache_width: int
+    cache_dtype: str
+    max_running: int
+    rank: int
+    ranks: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., cache_width: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., max_running: _Optional[int] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class PrefixMatchRequest(_message.Message):
     __slots__ = ("page_hashes",)
@@ -191,28 +231,32 @@ class PrefixMatchResponse(_message.Message):
     def __init__(self, cached_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "cached_tokens", "kv_handle", "num_pages", "finish_reason")
+    __slots__ = ("first_token", "cached_tokens", "kv_handle", "num_pages", "finish_reason", "lease_seconds")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     cached_tokens: int
     kv_handle: str
     num_pages: int
     finish_reason: FinishReason
-    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., num_pages: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., num_pages: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("kv_handle",)
@@ -221,14 +265,18 @@ class PullRequest(_message.Message):
     def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
 
 class KvPage(_message.Message):
-    __slots__ = ("index", "data", "dtype")
+    __slots__ = ("index", "data", "dtype", "kv_handle", "crc32")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     index: int
     data: bytes
     dtype: str
-    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_handle: str
+    crc32: int
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., kv_handle: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ShareCacheRequest(_message.Message):
     __slots__ = ()
@@ -273,12 +321,14 @@ class SharedCache(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
-    __slots__ = ("cache_id", "blocks")
+    __slots__ = ("cache_id", "blocks", "lease_seconds")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, cache_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("kv_handle",)
@@ -291,20 +341,24 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "first_token", "sampling", "prefill_address", "kv_handle")
+    __slots__ = ("request_id", "token_ids", "first_token", "sampling", "prefill_address", "kv_handle", "num_pages", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     sampling: SamplingParams
     prefill_address: str
     kv_handle: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ...) -> None: ...
+    num_pages: int
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., kv_handle: _Optional[str] = ..., num_pages: _Optional[int] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "kv_transfer")

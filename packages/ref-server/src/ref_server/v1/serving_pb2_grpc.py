@@ -65,7 +65,8 @@ class RouterServicer(object):
 
     def Generate(self, request, context):
         """Tokens as they are generated; every message echoes request_id; the last one is
-        `complete` or `error`.
+        `complete` or `error`. Without a client deadline a request runs up to the router's
+        configured ceiling.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +235,127 @@ class Router(object):
             _registered_method=True)
 
 
+class InstanceStub(object):
+    """Every instance: the router registers it (and, for a decode instance, the prefill instances it
+    may pull KV from) and reads what it must agree on with the others.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Register = channel.unary_unary(
+                '/ref_server.v1.Instance/Register',
+                request_serializer=ref__server_dot_v1_dot_serving__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=ref__server_dot_v1_dot_serving__pb2.InstanceInfo.FromString,
+                _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/ref_server.v1.Instance/GetLoad',
+                request_serializer=ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=ref__server_dot_v1_dot_serving__pb2.WorkerLoad.FromString,
+                _registered_method=True)
+
+
+class InstanceServicer(object):
+    """Every instance: the router registers it (and, for a decode instance, the prefill instances it
+    may pull KV from) and reads what it must agree on with the others.
+    """
+
+    def Register(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_InstanceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.RegisterRequest.FromString,
+                    response_serializer=ref__server_dot_v1_dot_serving__pb2.InstanceInfo.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.FromString,
+                    response_serializer=ref__server_dot_v1_dot_serving__pb2.WorkerLoad.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ref_server.v1.Instance', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ref_server.v1.Instance', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Instance(object):
+    """Every instance: the router registers it (and, for a decode instance, the prefill instances it
+    may pull KV from) and reads what it must agree on with the others.
+    """
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ref_server.v1.Instance/Register',
+            ref__server_dot_v1_dot_serving__pb2.RegisterRequest.SerializeToString,
+            ref__server_dot_v1_dot_serving__pb2.InstanceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ref_server.v1.Instance/GetLoad',
+            ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.SerializeToString,
+            ref__server_dot_v1_dot_serving__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillStub(object):
     """Missing associated documentation comment in .proto file."""
 
@@ -248,11 +370,6 @@ class PrefillStub(object):
                 request_serializer=ref__server_dot_v1_dot_serving__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=ref__server_dot_v1_dot_serving__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/ref_server.v1.Prefill/GetLoad',
-                request_serializer=ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=ref__server_dot_v1_dot_serving__pb2.WorkerLoad.FromString,
-                _registered_method=True)
         self.PrefixMatch = channel.unary_unary(
                 '/ref_server.v1.Prefill/PrefixMatch',
                 request_serializer=ref__server_dot_v1_dot_serving__pb2.PrefixMatchRequest.SerializeToString,
@@ -264,15 +381,10 @@ class PrefillServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Computes the prompt's KV and its first token; the KV stays here under `kv_handle` until a
-        decode instance pulls it (KvTransfer) or it expires.
+        """Computes the prompt's KV and its first token; the KV stays here under `kv_handle` for a
+        lease of `lease_seconds`, which Pull and Locate extend and Release ends. Cancelling the
+        call aborts the request and frees its pages.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -290,11 +402,6 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=ref__server_dot_v1_dot_serving__pb2.PrefillRequest.FromString,
                     response_serializer=ref__server_dot_v1_dot_serving__pb2.PrefillResponse.SerializeToString,
-            ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.FromString,
-                    response_serializer=ref__server_dot_v1_dot_serving__pb2.WorkerLoad.SerializeToString,
             ),
             'PrefixMatch': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefixMatch,
@@ -329,33 +436,6 @@ class Prefill(object):
             '/ref_server.v1.Prefill/Prefill',
             ref__server_dot_v1_dot_serving__pb2.PrefillRequest.SerializeToString,
             ref__server_dot_v1_dot_serving__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetLoad(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ref_server.v1.Prefill/GetLoad',
-            ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.SerializeToString,
-            ref__server_dot_v1_dot_serving__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -429,14 +509,17 @@ class KvTransferServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Pull(self, request, context):
-        """The pages of a prefilled request, in order; each page holds every layer's rows.
+        """The pages of a prefilled request, in order; each page holds every layer's rows. Read
+        while the lease holds, and extends it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Ends the lease. NOT_FOUND when there is none: it expired (or was released), so pages
+        copied through CUDA IPC since the last Locate may have been reused.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -449,7 +532,7 @@ class KvTransferServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Locate(self, request, context):
-        """The blocks of the shared cache that hold a handle's pages, in order.
+        """The blocks of the shared cache that hold a handle's pages, in order; extends the lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -612,36 +695,17 @@ class DecodeStub(object):
                 request_serializer=ref__server_dot_v1_dot_serving__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=ref__server_dot_v1_dot_serving__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/ref_server.v1.Decode/Abort',
-                request_serializer=ref__server_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
-                response_deserializer=ref__server_dot_v1_dot_serving__pb2.AbortResponse.FromString,
-                _registered_method=True)
-        self.GetLoad = channel.unary_unary(
-                '/ref_server.v1.Decode/GetLoad',
-                request_serializer=ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=ref__server_dot_v1_dot_serving__pb2.WorkerLoad.FromString,
-                _registered_method=True)
 
 
 class DecodeServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Pulls the KV from `prefill_address`, then decodes; streams every new token.
+        """Reserves pages for the request (RESOURCE_EXHAUSTED at once when it cannot), pulls its KV
+        into them from `prefill_address` (a registered prefill instance), checks it, then
+        decodes; streams every new token. ABORTED when the KV could not be had. Cancelling the
+        call aborts the request and frees its pages.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetLoad(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -653,16 +717,6 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=ref__server_dot_v1_dot_serving__pb2.DecodeRequest.FromString,
                     response_serializer=ref__server_dot_v1_dot_serving__pb2.DecodeResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.AbortRequest.FromString,
-                    response_serializer=ref__server_dot_v1_dot_serving__pb2.AbortResponse.SerializeToString,
-            ),
-            'GetLoad': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetLoad,
-                    request_deserializer=ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.FromString,
-                    response_serializer=ref__server_dot_v1_dot_serving__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -692,60 +746,6 @@ class Decode(object):
             '/ref_server.v1.Decode/Decode',
             ref__server_dot_v1_dot_serving__pb2.DecodeRequest.SerializeToString,
             ref__server_dot_v1_dot_serving__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ref_server.v1.Decode/Abort',
-            ref__server_dot_v1_dot_serving__pb2.AbortRequest.SerializeToString,
-            ref__server_dot_v1_dot_serving__pb2.AbortResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetLoad(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ref_server.v1.Decode/GetLoad',
-            ref__server_dot_v1_dot_serving__pb2.GetLoadRequest.SerializeToString,
-            ref__server_dot_v1_dot_serving__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,

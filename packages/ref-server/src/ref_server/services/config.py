@@ -1,0 +1,128 @@
+"""`ServeConfig`: every setting of `ref-server serve`, from its defaults, a TOML file, then
+flags. Torch-free, so `ref-server serve --help` starts at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ref_server.config_file import read_toml
+
+ROLES = ("router", "prefill", "decode", "all")
+PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _setting(default, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    role: str = _setting(
+        "all", "router, prefill, decode, or all (both instances and the router, supervised)"
+    )
+    host: str = _setting("127.0.0.1", "address to listen on")
+    port: int = _setting(50051, "gRPC port: the router's public API, or an instance's own")
+    http_port: int = _setting(
+        8000, "the router's HTTP port: OpenAI-compatible API, /health, /metrics (0: none)"
+    )
+    preset: str = _setting(
+        "tiny", f"random weights of a preset ({', '.join(PRESET_NAMES)}) unless --model is given"
+    )
+    model: str | None = _setting(None, "a Hugging Face DeepSeek-V3 checkpoint directory")
+    seed: int = _setting(0, "seed of a preset's random weights")
+    device: str = _setting("auto", "auto (cuda when available), cpu, cuda or cuda:N")
+    num_blocks: int = _setting(512, "KV pages per instance")
+    block_size: int = _setting(64, "tokens per KV page")
+    max_num_seqs: int = _setting(128, "sequences an instance runs at once")
+    max_num_batched_tokens: int = _setting(4096, "tokens per engine step")
+    max_model_len: int = _setting(2048, "prompt + max_tokens limit")
+    max_waiting: int = _setting(1024, "queued requests per instance before RESOURCE_EXHAUSTED")
+    hold_seconds: float = _setting(
+        60.0, "lease on a prefill instance's KV: freed after this long unless pulled or released"
+    )
+    max_request_bytes: int = _setting(1 << 20, "larger requests are INVALID_ARGUMENT")
+    max_inflight: int = _setting(
+        1024, "requests the router admits at once; more get RESOURCE_EXHAUSTED (HTTP 429)"
+    )
+    request_timeout_s: float = _setting(3600.0, "the ceiling of a request without a deadline")
+    queue_timeout_s: float = _setting(30.0, "how long a request may wait for decode room")
+    health_interval_s: float = _setting(1.0, "seconds between the router's health checks")
+    health_failures: int = _setting(3, "failed checks in a row before an instance is dropped")
+    prefill_instances: int = _setting(1, "prefill instances --role all starts")
+    decode_instances: int = _setting(1, "decode instances --role all starts")
+    prefill: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "the router's prefill instances (host:port,...)"}
+    )
+    decode: list[str] = dataclasses.field(
+        default_factory=list, metadata={"help": "the router's decode instances (host:port,...)"}
+    )
+    ranks: int = _setting(1, "processes per instance: data-parallel attention, expert-parallel MoE")
+    rank: int = _setting(0, "this process's rank in its instance (--role all and torchrun set it)")
+    group_address: str | None = _setting(
+        None, "host:port where an instance's ranks meet, or env (torchrun's)"
+    )
+    group_timeout_s: float = _setting(300.0, "how long a rank waits for its peers")
+    api_key_file: str | None = _setting(
+        None, "API keys, one per line (also REF_SERVER_API_KEYS); none: the API is open"
+    )
+    isolate_cache: bool = _setting(False, "prefix-cache hits only within one API key")
+    tls_cert: str | None = _setting(None, "PEM certificate for the public gRPC and HTTP APIs")
+    tls_key: str | None = _setting(None, "PEM private key of tls_cert")
+    internal_secret_file: str | None = _setting(
+        None,
+        "the internal services' secret (else REF_SERVER_INTERNAL_SECRET; --role all makes one)",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        problems = []
+        if self.role not in ROLES:
+            problems.append(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.model and self.preset not in PRESET_NAMES:
+            problems.append(f"unknown preset {self.preset!r}; presets: {', '.join(PRESET_NAMES)}")
+        if not DEVICE.fullmatch(self.device):
+            problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
+        positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive += ("max_model_len", "max_inflight", "health_failures", "ranks")
+        positive += ("hold_seconds", "request_timeout_s", "queue_timeout_s", "health_interval_s")
+        problems += [
+            f"{n} must be > 0, got {getattr(self, n)}" for n in positive if getattr(self, n) <= 0
+        ]
+        if not 0 <= self.rank < self.ranks:
+            problems.append(f"need 0 <= rank < ranks, got rank {self.rank} of {self.ranks}")
+        if self.ranks > 1 and self.role in ("prefill", "decode") and not self.group_address:
+            problems.append("an instance of several ranks needs group_address (host:port)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            problems.append("TLS needs both tls_cert and tls_key")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def replace(self, **changes) -> ServeConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **flags) -> ServeConfig:
+        """The TOML file's values (flat keys, the field names), then the flags."""
+        values = read_toml(path, [f.name for f in dataclasses.fields(cls)])
+        return cls(**(values | flags))
+
+
+def _check_type(name: str, value, annotation: str) -> None:
+    kinds = {"str": str, "int": int, "float": (int, float), "bool": bool, "None": type(None)}
+    if annotation == "list[str]":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return
+    elif any(
+        isinstance(value, kinds[part.strip()]) and not (isinstance(value, bool) and part != "bool")
+        for part in annotation.split("|")
+    ):
+        return
+    raise ValueError(f"{name} must be {annotation}, got {value!r}")

@@ -1,0 +1,295 @@
+"""One process of the deployment: the router, or one rank of a prefill or decode instance.
+
+    ref_server.services.servers.serve(config)   # runs until SIGINT or SIGTERM
+
+Both run an asyncio gRPC server. An instance's engine runs on its own thread (EngineLoop);
+its internal services answer only calls that carry the deployment's secret. The router serves
+the public gRPC API and, on `http_port`, the OpenAI-compatible HTTP API with /health and
+/metrics, on the same event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import signal
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+import torch
+import torch.distributed as dist
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import ref_server.model as M
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.model.checkpoint import read_config
+from ref_server.services.aio import background
+from ref_server.services.config import ServeConfig
+from ref_server.services.engine_loop import EngineLoop
+from ref_server.services.instance import DecodeService, InstanceService, PrefillService
+from ref_server.services.kv_transfer import MAX_MESSAGE_BYTES, KvPuller
+from ref_server.services.metrics import Metrics
+from ref_server.services.router import Limits, ModelFacts, Router
+from ref_server.services.router_api import RouterService
+from ref_server.services.security import (
+    ApiKeys,
+    api_key_gate,
+    read_api_keys,
+    read_secret,
+    secret_gate,
+    server_credentials,
+)
+from ref_server.services.workers import Expected, WorkerPool
+from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
+
+log = logging.getLogger(__name__)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+# ---------------------------------------------------------------- the model a config names
+
+
+def model_args(config: ServeConfig) -> M.ModelArgs:
+    return read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
+
+
+def model_fingerprint(config: ServeConfig) -> str:
+    """Equal for two configs exactly when they load the same weights (a checkpoint's config
+    and weight files, or a preset and its seed)."""
+    digest = hashlib.blake2b(digest_size=16)
+    if config.model:
+        path = Path(config.model)
+        digest.update((path / "config.json").read_bytes())
+        for file in sorted(path.glob("*.safetensors")):
+            digest.update(f"{file.name} {file.stat().st_size}".encode())
+    else:
+        digest.update(f"{config.preset} {config.seed} {M.PRESETS[config.preset]!r}".encode())
+    return digest.hexdigest()
+
+
+def torch_device(config: ServeConfig) -> torch.device:
+    """cuda when available for "auto"; a GPU without an index is the rank's own."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {config.device}: this machine's torch sees no CUDA device")
+        count = torch.cuda.device_count()
+        device = torch.device("cuda", config.rank % count if device.index is None else device.index)
+        if device.index >= count:
+            raise ValueError(f"device {config.device}: only {count} CUDA devices here")
+    return device
+
+
+def scheduler_config(config: ServeConfig) -> SchedulerConfig:
+    names = [f.name for f in SchedulerConfig.__dataclass_fields__.values()]
+    return SchedulerConfig(**{name: getattr(config, name) for name in names})
+
+
+def join_group(config: ServeConfig) -> dist.ProcessGroup | None:
+    """This instance's gloo group, once every rank has joined; None for one rank."""
+    if config.ranks == 1:
+        return None
+    address = config.group_address
+    dist.init_process_group(
+        "gloo",
+        init_method="env://" if address == "env" else f"tcp://{address}",
+        rank=config.rank,
+        world_size=config.ranks,
+        timeout=timedelta(seconds=config.group_timeout_s),
+    )
+    return dist.group.WORLD
+
+
+def load_model(config: ServeConfig, group: dist.ProcessGroup | None) -> M.Model:
+    device = torch_device(config)
+    dtype = torch.float32
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dtype = torch.bfloat16
+    if config.model:
+        return M.from_pretrained(config.model, dtype=dtype, device=device, group=group)
+    return M.from_preset(config.preset, seed=config.seed, dtype=dtype, device=device, group=group)
+
+
+def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
+    args = model_args(config)
+    tokenizer = M.load_tokenizer(args, config.model)
+    facts = ModelFacts(
+        name=config.model or config.preset,
+        vocab_size=args.vocab_size,
+        max_model_len=config.max_model_len,
+        num_layers=args.num_hidden_layers,
+        num_parameters=args.num_parameters(),
+        eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
+        page_size=config.block_size,
+        page_bytes=args.num_hidden_layers * config.block_size * args.cache_width * 2,
+    )
+    return facts, tokenizer
+
+
+# ---------------------------------------------------------------- servers
+
+
+def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> None:
+    address = f"{config.host}:{config.port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+
+
+def _secret(config: ServeConfig) -> str:
+    secret = read_secret(config.internal_secret_file)
+    if secret is None:
+        raise ValueError(
+            "the internal services need the deployment's secret: set REF_SERVER_INTERNAL_SECRET "
+            "or internal_secret_file (--role all makes one and hands it to its children)"
+        )
+    return secret
+
+
+async def _until(stop: asyncio.Event | None) -> None:
+    """Until `stop` is set, or SIGINT or SIGTERM."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(RuntimeError, ValueError):  # not the main thread
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def run_instance(config: ServeConfig, engine: Engine, group, stop=None) -> None:
+    secret = _secret(config)
+    aio_loop = asyncio.get_running_loop()
+    health_service = health.aio.HealthServicer()
+
+    def failed() -> None:  # the ranks lost each other: out of service for good
+        asyncio.run_coroutine_threadsafe(health_service.set("", NOT_SERVING), aio_loop)
+
+    loop = EngineLoop(engine, config.hold_seconds, group, on_failure=failed)
+    args, cache = engine.model.args, engine.runner.cache
+    info = pb.InstanceInfo(
+        role=config.role,
+        model=config.model or config.preset,
+        model_fingerprint=model_fingerprint(config),
+        num_layers=args.num_hidden_layers,
+        page_size=cache.page_size,
+        cache_width=args.cache_width,
+        cache_dtype=str(cache.dtype).removeprefix("torch."),
+        max_running=config.max_num_seqs,
+        rank=config.rank,
+        ranks=config.ranks,
+    )
+    server = grpc.aio.server(interceptors=[secret_gate(secret)], options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    if config.role == "prefill":
+        rpc.add_InstanceServicer_to_server(InstanceService(loop, info), server)
+        service = PrefillService(loop, config.max_model_len)
+        rpc.add_PrefillServicer_to_server(service, server)
+        rpc.add_KvTransferServicer_to_server(service, server)
+    else:
+        puller = KvPuller(engine.runner, secret)
+        rpc.add_InstanceServicer_to_server(InstanceService(loop, info, puller), server)
+        rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len, puller), server)
+    _listen(server, config)
+    await server.start()
+    await health_service.set("", SERVING)
+    print(f"ref-server {config.role}: serving on {config.host}:{config.port}", flush=True)
+    try:
+        await _until(stop)
+    finally:
+        await health_service.enter_graceful_shutdown()
+        await server.stop(grace=2)
+        loop.stop()
+
+
+async def run_router(config: ServeConfig, stop=None) -> None:
+    secret = _secret(config)
+    facts, tokenizer = model_facts(config)
+    metrics = Metrics()
+    keys = ApiKeys(read_api_keys(config.api_key_file), config.isolate_cache)
+    credentials = server_credentials(config.tls_cert, config.tls_key)
+    health_service = health.aio.HealthServicer()
+    serving = False
+
+    async def show() -> None:
+        nonlocal serving
+        serving = not pool.problem
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", ROUTER_SERVICE):
+            await health_service.set(name, status)
+        metrics.show_workers(pool.workers)
+
+    args = model_args(config)
+    expected = Expected(
+        model_fingerprint(config), args.num_hidden_layers, config.block_size, args.cache_width
+    )
+    pool = WorkerPool(
+        config.prefill,
+        config.decode,
+        expected,
+        secret,
+        on_update=lambda: background(show()),
+        interval=config.health_interval_s,
+        failures=config.health_failures,
+    )
+    limits = Limits(config.max_inflight, config.request_timeout_s, config.queue_timeout_s)
+    router = Router(pool, facts, tokenizer, metrics, limits)
+    gates = [api_key_gate(keys)] if keys.required else []
+    server = grpc.aio.server(interceptors=gates, options=SERVER_OPTIONS)
+    service = RouterService(router, keys, config.max_request_bytes, lambda: serving)
+    rpc.add_RouterServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    names = [ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    _listen(server, config, credentials)
+    http = None
+    if config.http_port:
+        from ref_server.services.openai_api import HttpServer, create_app
+
+        app = create_app(router, keys, lambda: serving, metrics, config.max_request_bytes)
+        http = HttpServer(app, config.host, config.http_port, config.tls_cert, config.tls_key)
+    await server.start()
+    await pool.start()
+    await show()
+    http_task = asyncio.create_task(http.serve()) if http else None
+    print(f"ref-server router: serving on {config.host}:{config.port}", flush=True)
+    try:
+        await _until(stop)
+    finally:
+        await health_service.enter_graceful_shutdown()
+        if http is not None:
+            http.should_exit = True
+            await http_task
+        await server.stop(grace=2)
+        await pool.close()
+
+
+def serve(config: ServeConfig) -> None:
+    """Run this config's process until SIGINT or SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if config.role == "router":
+        asyncio.run(run_router(config))
+        return
+    group = join_group(config)
+    engine = Engine(load_model(config, group), scheduler_config(config))
+    asyncio.run(run_instance(config, engine, group))

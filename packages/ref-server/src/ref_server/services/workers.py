@@ -1,0 +1,245 @@
+"""The router's view of its instances: health, registration, loads, and the two balancers.
+
+Every `interval` seconds the pool checks each instance's health and reads its load (one call
+each, in parallel, off the request path). An instance is dropped after `failures` checks or
+calls in a row fail and taken back at the first good check. When it comes back it is
+registered again: it says what it runs (`InstanceInfo`), which must agree with the router and
+the other instances (model, layers, page size, cache width and dtype), and a decode instance
+learns the healthy prefill instances, the only peers it will pull KV from (and drops what it
+kept of any other): every check round tells it, and a decode instance is routed to only while
+that succeeds, so it always knows the prefill instances it is sent requests from.
+
+The router is SERVING while at least one prefill and one decode instance are healthy and
+none disagrees with the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ref_server.services.security import internal_channel
+from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
+
+log = logging.getLogger(__name__)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every instance must run, as the router's own configuration says."""
+
+    model_fingerprint: str
+    num_layers: int
+    page_size: int
+    cache_width: int
+
+    def problem(self, info: pb.InstanceInfo, cache_dtype: str | None) -> str:
+        """Why an instance that says `info` cannot serve with the others ("" if it can)."""
+        wrong = [
+            f"{name} {getattr(info, name)!r}, not {want!r}"
+            for name, want in (
+                ("model_fingerprint", self.model_fingerprint),
+                ("num_layers", self.num_layers),
+                ("page_size", self.page_size),
+                ("cache_width", self.cache_width),
+                ("cache_dtype", cache_dtype or info.cache_dtype),
+            )
+            if getattr(info, name) != want
+        ]
+        return f"{info.model}: " + "; ".join(wrong) if wrong else ""
+
+
+@dataclass(eq=False)
+class Worker:
+    name: str
+    role: str
+    address: str
+    secret: str
+    healthy: bool = False
+    routable: bool = False  # healthy, registered, and (prefill) known to every decode instance
+    failures: int = 0
+    info: pb.InstanceInfo | None = None
+    problem: str = ""
+    load: pb.WorkerLoad = field(default_factory=pb.WorkerLoad)
+    assigned: int = 0  # this router's requests in flight there (loads lag behind)
+
+    def __post_init__(self) -> None:
+        self.channel = internal_channel(
+            self.address, self.secret, **{"grpc.max_receive_message_length": 64 << 20}
+        )
+        self.instance = rpc.InstanceStub(self.channel)
+        self.prefill = rpc.PrefillStub(self.channel)
+        self.decode = rpc.DecodeStub(self.channel)
+        self.kv = rpc.KvTransferStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def capacity(self) -> int:
+        return self.info.max_running if self.info else 0
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        expected: Expected,
+        secret: str,
+        on_update: Callable[[], None],
+        interval: float = 1.0,
+        failures: int = 3,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one prefill and one decode address")
+        self.workers = [
+            Worker(f"{role}-{i}", role, address, secret)
+            for role, addresses in (("prefill", prefill), ("decode", decode))
+            for i, address in enumerate(addresses)
+        ]
+        self.expected = expected
+        self.on_update = on_update  # after each check round, and when a worker drops
+        self.interval, self.max_failures = interval, failures
+        self.cache_dtype: str | None = None  # the first registered instance's: all must agree
+        self._task: asyncio.Task | None = None
+
+    def of(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role]
+
+    @property
+    def problem(self) -> str:
+        """Why the router cannot serve ("" when it can)."""
+        wrong = [f"{w.name}: {w.problem}" for w in self.workers if w.problem]
+        if wrong:
+            return "instances disagree: " + "; ".join(wrong)
+        missing = [r for r in ("prefill", "decode") if not any(w.routable for w in self.of(r))]
+        return f"no healthy {' or '.join(missing)} instance" if missing else ""
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await asyncio.gather(*(w.channel.close() for w in self.workers))
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.check_all()
+            except Exception:  # never let the watcher die
+                log.exception("health check round failed")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self.workers))
+        await self._register_peers()
+        self.on_update()
+
+    async def _check(self, worker: Worker) -> None:
+        timeout = max(self.interval, 1.0)
+        try:
+            check = await worker.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            if check.status != SERVING:
+                raise ConnectionError("not serving")
+            if worker.info is None:
+                await self._register(worker)
+            worker.load = await worker.instance.GetLoad(pb.GetLoadRequest(), timeout=timeout)
+        except (grpc.aio.AioRpcError, ConnectionError):
+            self.failed(worker)
+            return
+        worker.failures = 0
+        worker.healthy = True
+
+    async def _register(self, worker: Worker) -> None:
+        peers = [w.address for w in self.of("prefill") if w.routable]
+        request = pb.RegisterRequest(prefill_addresses=peers if worker.role == "decode" else [])
+        info = await worker.instance.Register(request, timeout=max(self.interval, 1.0))
+        if info.role != worker.role:
+            worker.problem = f"is a {info.role} instance, listed as {worker.role}"
+        else:
+            worker.problem = self.expected.problem(info, self.cache_dtype)
+        if worker.problem:
+            log.error("%s (%s) cannot serve: %s", worker.name, worker.address, worker.problem)
+        else:
+            self.cache_dtype = self.cache_dtype or info.cache_dtype
+        worker.info = info
+
+    def failed(self, worker: Worker) -> None:
+        """A failed check or call; after `failures` in a row the worker is dropped."""
+        worker.failures += 1
+        if worker.failures >= self.max_failures and worker.healthy:
+            log.warning("%s (%s) is down", worker.name, worker.address)
+            worker.healthy = worker.routable = False
+            worker.info = None  # registered again when it comes back
+            self.on_update()
+
+    async def _register_peers(self) -> None:
+        """Tell every healthy decode instance the prefill instances it may pull from: the
+        healthy ones. A prefill instance becomes routable once all of them know it."""
+        decode = [w for w in self.of("decode") if w.healthy and not w.problem]
+        prefill = [w for w in self.of("prefill") if w.healthy and not w.problem]
+        peers = [w.address for w in prefill]
+        request = pb.RegisterRequest(prefill_addresses=peers)
+        results = await asyncio.gather(
+            *(w.instance.Register(request, timeout=max(self.interval, 1.0)) for w in decode),
+            return_exceptions=True,
+        )
+        for w, result in zip(decode, results, strict=True):
+            w.routable = not isinstance(result, Exception)
+            if not w.routable:
+                self.failed(w)
+        for w in prefill:  # every routable decode instance knows it now
+            w.routable = True
+        for w in self.workers:
+            w.routable = w.routable and w.healthy and not w.problem
+
+    # ------------------------------------------------------------ balancers
+
+    async def pick_prefill(self, page_hashes: list[bytes], exclude: set[Worker]) -> Worker | None:
+        """The prefill instance caching the longest prefix (asked only when there is a
+        choice), then the least prefill work queued (matmuls and attention, in FLOPs), then
+        the fewest requests this router has in flight there."""
+        candidates = [w for w in self.of("prefill") if w.routable and w not in exclude]
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        match = pb.PrefixMatchRequest(page_hashes=page_hashes)
+        answers = await asyncio.gather(
+            *(w.prefill.PrefixMatch(match, timeout=1.0) for w in candidates),
+            return_exceptions=True,
+        )
+        cached = {
+            w: (0 if isinstance(a, Exception) else a.cached_pages)
+            for w, a in zip(candidates, answers, strict=True)
+        }
+        return min(
+            candidates, key=lambda w: (-cached[w], w.load.queued_flops, w.assigned, w.load.running)
+        )
+
+    def pick_decode(self, exclude: set[Worker]) -> Worker | None:
+        """The decode instance with room (fewer of this router's requests than it runs at
+        once) and the lowest KV use, then the fewest in flight; None when none has room."""
+        candidates = [
+            w
+            for w in self.of("decode")
+            if w.routable and w not in exclude and w.assigned < w.capacity
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (w.load.kv_usage, w.assigned, w.load.running))
+
+    def server_info(self, serving: bool) -> pb.ServerInfo:
+        infos = [
+            pb.WorkerInfo(
+                name=w.name, role=w.role, healthy=w.routable, load=w.load, problem=w.problem
+            )
+            for w in self.workers
+        ]
+        return pb.ServerInfo(workers=infos, serving=serving, problem=self.problem)
