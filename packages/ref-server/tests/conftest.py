@@ -212,7 +212,7 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
         running.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def serving():
     return SimpleNamespace(
         instances_of_two_ranks=instances_of_two_ranks,

@@ -1,14 +1,54 @@
+import dataclasses
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from ref_server import __version__
+from ref_server.services.config import PRESET_NAMES, ROLES, ServeConfig
 
-def ref_server(*args: str) -> subprocess.CompletedProcess:
+NO_TORCH = ("torch", "grpc", "fastapi", "rich")  # what building the parser must not import
+
+
+def ref_server(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ref_server", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ref_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
+
+
+def one_error_line(result: subprocess.CompletedProcess, command: str) -> str:
+    """The single line a failed command prints: exit code 2, nothing on stdout, no traceback."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"ref-server {command}: error: "), line
+    return line
+
+
+def without_cuda(secret: str | None = None) -> dict[str, str]:
+    """This environment, with no CUDA device visible (also on a GPU machine) and the internal
+    secret set or not."""
+    env = {k: v for k, v in os.environ.items() if k != "REF_SERVER_INTERNAL_SECRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    if secret is not None:
+        env["REF_SERVER_INTERNAL_SECRET"] = secret
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_economics_table_shows_the_published_day():
@@ -55,3 +95,220 @@ def test_unparseable_number_is_rejected_by_the_parser():
     assert result.returncode == 2
     assert "invalid float value: 'cheap'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- serve and demo: help
+
+
+def help_text(command: str) -> str:
+    """`command --help` on a terminal wide enough that argparse wraps nothing."""
+    result = ref_server(command, "--help", env={**os.environ, "COLUMNS": "1000"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    return result.stdout
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """Each flag's help entry (the flag line and its continuation lines, joined), by flag."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if re.match(r"  -", line):  # a flag; deeper-indented lines continue its help
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current and re.match(r"\s{3,}\S", line):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return {flag: " ".join(entry.split()) for flag, entry in entries.items()}
+
+
+def shown_default(value) -> str:
+    if value in (None, "", []):
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def test_serve_help_lists_every_setting_with_its_default_the_presets_and_roles():
+    text = help_text("serve")
+    entries = help_entries(text)
+    defaults = ServeConfig()
+    for field in dataclasses.fields(ServeConfig):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in entries, f"serve --help has no {flag}"
+        assert field.metadata["help"] in entries[flag]
+        assert f"(default: {shown_default(getattr(defaults, field.name))})" in entries[flag]
+    assert "--no-isolate-cache" in entries["--isolate-cache"]
+    assert f"--preset {{{','.join(PRESET_NAMES)}}}" in entries["--preset"]
+    assert f"--role {{{','.join(ROLES)}}}" in entries["--role"]
+    for title in ("what runs, and where", "model", "engine", "router", "ranks", "security"):
+        assert re.search(rf"^{re.escape(title)}.*:$", text, re.M), title
+    assert "other settings" not in text  # every field has its group
+    assert " TEXT" not in text  # metavars say what goes there
+    assert entries["--tls-cert"].startswith("--tls-cert FILE")
+    assert entries["--model"].startswith("--model DIR")
+    assert entries["--prefill"].startswith("--prefill HOST:PORT,...")
+    assert "REF_SERVER_INTERNAL_SECRET" in text  # the epilog says instances need it
+
+
+def test_demo_help_shows_its_flags_and_defaults_but_not_those_it_sets_itself():
+    text = help_text("demo")
+    entries = help_entries(text)
+    assert "(default: 8)" in entries["--requests"]
+    assert "(default: 24)" in entries["--max-tokens"]
+    assert "(default: a free port)" in entries["--port"]
+    assert "(default: a free port)" in entries["--http-port"]
+    assert f"{{{','.join(PRESET_NAMES)}}}" in entries["--preset"]
+    defaults = ServeConfig()
+    for name in ("preset", "device", "ranks", "num_blocks", "hold_seconds", "tls_cert"):
+        flag = "--" + name.replace("_", "-")
+        assert f"(default: {shown_default(getattr(defaults, name))})" in entries[flag]
+    for flag in ("--role", "--rank", "--prefill", "--decode", "--group-address"):
+        assert flag not in entries  # demo always runs --role all, which sets them
+    assert "--role all" in text
+
+
+def test_building_the_parser_and_help_import_no_torch_grpc_fastapi_or_rich():
+    probe = f"""
+import contextlib, io, sys
+from ref_server.cli import _parser, main
+_parser()
+for command in ("serve", "demo", "economics"):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        main([command, "--help"])
+print(sorted({{m.split(".")[0] for m in sys.modules}} & set({NO_TORCH!r})))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    # and the command itself, as a user runs it
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ref_server", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if "|" in line}
+    assert not {m for m in imported if m.split(".")[0] in NO_TORCH}
+
+
+def test_version():
+    result = ref_server("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ref-server {__version__}"
+
+
+def test_top_level_help_lists_the_commands():
+    result = ref_server("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("serve", "demo", "economics"):
+        assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
+
+
+# ---------------------------------------------------------------- serve and demo: bad input
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["serve", "--hold-seconds", "long"], "argument --hold-seconds: invalid float value"),
+        (["serve", "--bogus"], "unrecognized arguments: --bogus (see ref-server serve --help)"),
+        (["serve", "--port"], "argument --port: expected one argument"),
+        (["serve", "--role", "bogus"], "argument --role: invalid choice: 'bogus'"),
+        (["serve", "--preset", "v4"], "argument --preset: invalid choice: 'v4'"),
+        (["serve", "--ranks", "0"], "ranks must be > 0, got 0"),
+        (["serve", "--port", "70000"], "port must be in 0..65535, got 70000"),
+        (["serve", "--http-port", "-1"], "http_port must be in 0..65535, got -1"),
+        (["serve", "--tls-cert", "x"], "TLS needs both tls_cert and tls_key"),
+        (["serve", "--device", "gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+        (["serve", "--rank", "1"], "need 0 <= rank < ranks, got rank 1 of 1"),
+        (["serve", "--role", "prefill", "--ranks", "2"], "needs group_address"),
+        (["serve", "--config", "/nonexistent/serve.toml"], "config file not found"),
+        (["demo", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
+        (["demo", "--requests", "0"], "argument --requests: must be a whole number > 0"),
+        (["demo", "--max-tokens", "many"], "argument --max-tokens: must be a whole number"),
+        (["demo", "--role", "router"], "unrecognized arguments: --role router"),
+        (["demo", "--ranks", "0"], "ranks must be > 0, got 0"),
+    ],
+)
+def test_bad_serve_and_demo_flags_exit_with_one_clear_line(args, message):
+    line = one_error_line(ref_server(*args), args[0])
+    assert message in line
+
+
+@pytest.mark.parametrize(
+    ("text", "flags", "message"),
+    [
+        ("bogus_key = 1\n", [], "has unknown keys: bogus_key; known keys: role, host, port"),
+        ('port = "x"\n', [], "config file {path}: port must be int, got 'x'"),
+        ("isolate_cache = 1\n", [], "config file {path}: isolate_cache must be bool, got 1"),
+        ('prefill = "a:1"\n', [], "config file {path}: prefill must be list[str]"),
+        ("port = 70000\n", [], "config file {path}: port must be in 0..65535"),
+        ('tls_cert = "c.pem"\n', [], "config file {path}: TLS needs both tls_cert and tls_key"),
+        ("port = = 1\n", [], "config file {path} is not valid TOML"),
+        ('role = "all"\n', ["--ranks", "0"], "error: ranks must be > 0"),  # the flag's fault
+    ],
+)
+def test_bad_serve_config_file_exits_with_one_line_naming_the_file(tmp_path, text, flags, message):
+    path = tmp_path / "serve.toml"
+    path.write_text(text)
+    line = one_error_line(ref_server("serve", "--config", str(path), *flags), "serve")
+    assert message.format(path=path) in line
+
+
+def test_an_instance_without_the_internal_secret_refuses_at_once():
+    # two ranks: the secret is checked before the process waits for its peers
+    args = ["--role", "prefill", "--port", "0", "--device", "cpu", "--ranks", "2"]
+    args += ["--group-address", f"127.0.0.1:{free_port()}", "--group-timeout-s", "300"]
+    line = one_error_line(ref_server("serve", *args, env=without_cuda()), "serve")
+    assert "need the deployment's secret" in line
+    assert "REF_SERVER_INTERNAL_SECRET" in line
+    result = ref_server("serve", "--role", "decode", "--internal-secret-file", "/nonexistent")
+    assert "cannot read the internal secret from /nonexistent" in one_error_line(result, "serve")
+
+
+def test_an_instance_on_cuda_without_cuda_refuses_at_once():
+    args = ["--role", "prefill", "--port", "0", "--device", "cuda", "--ranks", "2"]
+    args += ["--group-address", f"127.0.0.1:{free_port()}", "--group-timeout-s", "300"]
+    result = ref_server("serve", *args, env=without_cuda(secret="s"))
+    assert "device cuda: this machine's torch sees no CUDA device" in one_error_line(
+        result, "serve"
+    )
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_the_deployment_on_cuda_without_cuda_refuses_with_one_line(command):
+    result = ref_server(command, "--device", "cuda:0", "--http-port", "0", env=without_cuda())
+    line = one_error_line(result, command)  # demo announces nothing either
+    assert "device cuda:0: this machine's torch sees no CUDA device" in line
+
+
+@pytest.fixture
+def signal_handlers():
+    """`serve` sets SIGINT and SIGTERM handlers; the test process gets its own back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_the_deployment_refuses_a_missing_cuda_before_it_starts_a_process(
+    monkeypatch, capsys, signal_handlers
+):
+    import torch
+
+    from ref_server.cli import main
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a child process started: {args}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    assert main(["serve", "--role", "all", "--device", "cuda", "--port", "0"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == "ref-server serve: error: device cuda: this machine's torch sees no CUDA device"

@@ -24,8 +24,9 @@ def gather_kv(
     anything; they are clamped to a valid page here and their tokens masked by the caller.
     """
     num_blocks, page_size, h_kv, _ = k_cache.shape
-    kv = dequantize_fp8(k_cache).to(dtype).float() if is_fp8_kvcache else k_cache.float()
-    pages = kv[block_table.long().clamp(0, num_blocks - 1)]  # [b, max_blocks, page, h_kv, 576]
+    # Only the pages the table names are converted, not the whole cache.
+    pages = k_cache[block_table.long().clamp(0, num_blocks - 1)]  # [b, blocks, page, h_kv, w]
+    pages = dequantize_fp8(pages).to(dtype).float() if is_fp8_kvcache else pages.float()
     b, max_blocks = block_table.shape
     return pages.reshape(b, max_blocks * page_size, h_kv, HEAD_DIM)
 

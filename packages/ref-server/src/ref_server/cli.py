@@ -1,7 +1,7 @@
 """The `ref-server` command line: serve, demo, economics.
 
-Building the parser imports no torch: `--help` and bad flags answer at once, and errors are
-one line.
+Building the parser imports no torch, grpc, fastapi or rich: `--help` and bad flags answer at
+once. Every error is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -10,12 +10,74 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 
 from ref_server import __version__, economics
-from ref_server.services.config import ROLES, ServeConfig
+from ref_server.config_file import read_toml
+from ref_server.services.config import PRESET_NAMES, ROLES, ServeConfig
 
 DEFAULT_PRESET = "deepseek-day6"
+
+# The help's groups of ServeConfig fields; a field missing here lands in "other settings".
+SETTING_GROUPS = {
+    "what runs, and where": (
+        "role", "host", "port", "http_port", "prefill_instances", "decode_instances",
+    ),
+    "model": ("preset", "model", "seed", "device"),
+    "engine (every instance)": (
+        "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+        "max_waiting", "hold_seconds",
+    ),
+    "router": (
+        "prefill", "decode", "max_inflight", "max_request_bytes", "request_timeout_s",
+        "queue_timeout_s", "health_interval_s", "health_failures",
+    ),
+    "ranks (one instance over several processes)": (
+        "ranks", "rank", "group_address", "group_timeout_s",
+    ),
+    "security": ("api_key_file", "isolate_cache", "tls_cert", "tls_key", "internal_secret_file"),
+}  # fmt: skip
+METAVARS = {
+    "host": "HOST",
+    "port": "PORT",
+    "http_port": "PORT",
+    "model": "DIR",
+    "device": "DEVICE",
+    "max_request_bytes": "BYTES",
+    "group_address": "HOST:PORT|env",
+    "api_key_file": "FILE",
+    "tls_cert": "FILE",
+    "tls_key": "FILE",
+    "internal_secret_file": "FILE",
+}
+CHOICES = {"role": ROLES, "preset": PRESET_NAMES}
+# `demo` always runs --role all, which sets these itself for its processes.
+NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address")
+
+SERVE_DESCRIPTION = """\
+Run one process of the disaggregated deployment (--role router, prefill or decode), or all
+of them on this machine (--role all: the instances and the router as child processes,
+restarted when they die).
+
+Settings come from the defaults shown below, then the TOML file given with --config (flat
+keys, the flags' names with underscores: http_port = 8080), then the flags."""
+SERVE_EPILOG = """\
+examples:
+  ref-server serve                                     # everything, the tiny preset
+  ref-server serve --role prefill --port 6001 --model /path/to/checkpoint
+  ref-server serve --role router --prefill 127.0.0.1:6001 --decode 127.0.0.1:6002 \\
+                   --model /path/to/checkpoint
+  torchrun --nproc-per-node 2 -m ref_server serve --role decode --port 6002 --model DIR
+
+Instances and the router need the deployment's internal secret (REF_SERVER_INTERNAL_SECRET
+or --internal-secret-file); --role all makes one and hands it to its children."""
+DEMO_DESCRIPTION = """\
+Start the whole deployment (--role all) on loopback and free ports, send concurrent
+requests, stream the first, and report throughput and time to first token.
+
+Settings come from the defaults shown below, then the TOML file given with --config (flat
+keys, the flags' names with underscores), then the flags."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -23,26 +85,47 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written; flag and help side by side when they fit."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, unknown = _parser().parse_known_args(argv)
+    if unknown:  # the subcommand's parser says it, so the message points at its --help
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.run(args)
     except (ValueError, RuntimeError, OSError) as error:
-        print(f"ref-server {args.command}: error: {error}", file=sys.stderr)
+        print(f"ref-server {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
 
 
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="ref-server", description="DeepSeek-style disaggregated MoE serving.")
+    parser = Parser(
+        prog="ref-server",
+        description="DeepSeek-style disaggregated MoE serving.",
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=Parser, metavar="COMMAND"
+    )
 
     report = commands.add_parser(
         "economics",
         help="cost, revenue and margin of a serving deployment (DeepSeek's day-6 model)",
         description="Values are layered: the preset, then the TOML file, then flags.",
+        formatter_class=HelpFormatter,
     )
     report.add_argument(
         "--preset",
@@ -58,67 +141,131 @@ def _parser() -> argparse.ArgumentParser:
             type=int if field.type == "int" else float,
             help=field.metadata["help"],
         )
-    report.set_defaults(run=_economics)
+    report.set_defaults(run=_economics, parser=report)
 
     serve = commands.add_parser(
         "serve",
         help="run the router, a prefill or decode instance, or all of them (--role all)",
-        description="Settings: the defaults below, then the TOML file (--config), then flags.",
+        description=SERVE_DESCRIPTION,
+        epilog=SERVE_EPILOG,
         usage="ref-server serve [--role ROLE] [--config FILE] [options]",
+        formatter_class=HelpFormatter,
     )
-    _serve_flags(serve)
-    serve.set_defaults(run=_serve)
+    _serve_flags(serve, for_demo=False)
+    serve.set_defaults(run=_serve, parser=serve)
 
     demo = commands.add_parser(
         "demo",
         help="the whole deployment on loopback, a few requests, what it measured",
-        description="Starts --role all on free ports, sends concurrent requests, reports.",
-        usage="ref-server demo [--requests N] [--max-tokens N] [options]",
+        description=DEMO_DESCRIPTION,
+        usage="ref-server demo [--requests N] [--max-tokens N] [--config FILE] [options]",
+        formatter_class=HelpFormatter,
     )
-    demo.add_argument("--requests", type=int, default=8, help="concurrent requests (default: 8)")
-    demo.add_argument("--max-tokens", type=int, default=24, help="tokens each (default: 24)")
-    _serve_flags(demo)
-    demo.set_defaults(run=_demo)
+    demo.add_argument(
+        "--requests",
+        type=_positive,
+        default=8,
+        metavar="N",
+        help="concurrent requests (default: 8)",
+    )
+    demo.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=24,
+        metavar="N",
+        help="tokens generated for each request (default: 24)",
+    )
+    _serve_flags(demo, for_demo=True)
+    demo.set_defaults(run=_demo, parser=demo)
     return parser
 
 
-def _serve_flags(parser: argparse.ArgumentParser) -> None:
+def _serve_flags(parser: argparse.ArgumentParser, for_demo: bool) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file of the settings below")
-    settings = parser.add_argument_group("settings (also TOML keys, with underscores)")
+    fields = {f.name: f for f in dataclasses.fields(ServeConfig)}
+    if for_demo:
+        fields = {name: f for name, f in fields.items() if name not in NOT_FOR_DEMO}
+    grouped = {name for names in SETTING_GROUPS.values() for name in names}
+    groups = {**SETTING_GROUPS, "other settings": [n for n in fields if n not in grouped]}
     defaults = ServeConfig()
-    for f in dataclasses.fields(ServeConfig):
-        default = getattr(defaults, f.name)
-        shown = ",".join(default) if isinstance(default, list) else default
-        help = f"{f.metadata['help']} (default: {'none' if shown in (None, '') else shown})"
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            settings.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help
-            )
+    for title, names in groups.items():
+        names = [name for name in names if name in fields]
+        if not names:
             continue
-        kind = {"int": int, "float": float, "list[str]": _addresses}.get(f.type, str)
-        metavar = {"int": "N", "float": "X", "list[str]": "HOST:PORT,..."}.get(f.type, "TEXT")
-        choices = ROLES if f.name == "role" else None
-        settings.add_argument(
-            flag, dest=f.name, type=kind, help=help, metavar=None if choices else metavar,
-            choices=choices,
-        )  # fmt: skip
+        group = parser.add_argument_group(title)
+        for name in names:
+            field = fields[name]
+            shown = _shown(getattr(defaults, name))
+            if for_demo and name in ("port", "http_port"):
+                shown = "a free port"
+            help = f"{field.metadata['help']} (default: {shown})".replace("%", "%%")
+            flag = "--" + name.replace("_", "-")
+            if field.type == "bool":
+                group.add_argument(
+                    flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help
+                )
+                continue
+            group.add_argument(
+                flag,
+                dest=name,
+                type={"int": int, "float": float, "list[str]": _addresses}.get(field.type, str),
+                choices=CHOICES.get(name),
+                metavar=None if name in CHOICES else _metavar(name, field.type),
+                help=help,
+            )
+
+
+def _metavar(name: str, annotation: str) -> str:
+    if name in METAVARS:
+        return METAVARS[name]
+    if annotation == "float":
+        return "SECONDS" if name.endswith(("_s", "seconds")) else "X"
+    return {"int": "N", "list[str]": "HOST:PORT,..."}.get(annotation, "TEXT")
+
+
+def _shown(default) -> str:
+    if default in (None, "", []):
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, list):
+        return ",".join(default)
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number > 0, got {text!r}")
+    return value
 
 
 def _addresses(text: str) -> list[str]:
     return [a.strip() for a in text.split(",") if a.strip()]
 
 
-def _serve_config(args: argparse.Namespace) -> ServeConfig:
-    from ref_server.services.deployment import torchrun_values
-
-    flags = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(ServeConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    config = ServeConfig.from_file(args.config, **flags) if args.config else ServeConfig(**flags)
+def _serve_config(args: argparse.Namespace, **forced) -> ServeConfig:
+    """The defaults, then the TOML file, then the flags; an error the file's values cause
+    names the file."""
+    names = [f.name for f in dataclasses.fields(ServeConfig)]
+    flags = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None} | forced
+    if not args.config:
+        config = ServeConfig(**flags)
+    else:
+        from_file = read_toml(args.config, names)
+        try:
+            config = ServeConfig(**(from_file | flags))
+        except ValueError as error:
+            ServeConfig(**flags)  # the flags' own problem, if they have one
+            raise ValueError(f"config file {args.config}: {error}") from None
     if config.role in ("prefill", "decode"):
+        from ref_server.services.deployment import torchrun_values
+
         config = config.replace(**torchrun_values(dict(os.environ), config.port))
     return config
 
@@ -130,26 +277,42 @@ def _serve(args: argparse.Namespace) -> int:
 
         serve(config)
         return 0
-    from ref_server.services.deployment import Deployment, stop_on_signals
+    from ref_server.services.deployment import Deployment, free_port, stop_on_signals
 
-    stop = stop_on_signals()
+    if config.port == 0:  # the supervisor must know the router's port to wait for it
+        config = config.replace(port=free_port())
+    _interrupt_on_signals()  # while starting: the Deployment stops what it started
     running = Deployment(config)
-    http = f", HTTP on {config.host}:{config.http_port}" if config.http_port else ""
-    print(f"ref-server: serving on {config.host}:{config.port}{http}", flush=True)
     try:
+        stop = stop_on_signals()
+        http = f", HTTP on {config.host}:{config.http_port}" if config.http_port else ""
+        print(f"ref-server: serving on {config.host}:{config.port}{http}", flush=True)
         stop.wait()
     finally:
         running.stop()
     return 0
 
 
+def _interrupt_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (exit code 130)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+
 def _demo(args: argparse.Namespace) -> int:
+    config = _serve_config(args, role="all")  # bad settings: an answer before torch loads
     from rich.console import Console
 
     from ref_server.services.demo import run_demo
     from ref_server.services.deployment import free_port
+    from ref_server.services.servers import torch_device
 
-    config = _serve_config(args)
+    torch_device(config)  # before run_demo announces a deployment that cannot start
+    _interrupt_on_signals()  # run_demo stops its deployment on the way out
     if args.port is None:
         config = config.replace(port=free_port())
     if args.http_port is None:

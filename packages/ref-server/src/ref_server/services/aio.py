@@ -28,3 +28,16 @@ class Events:
 
     async def get(self) -> tuple:
         return await self.queue.get()
+
+    async def batch(self) -> list[tuple]:
+        """The next event and every one already behind it (a lagging reader sends fewer,
+        larger messages instead of falling further behind)."""
+        return await drained(self.queue)
+
+
+async def drained(queue: asyncio.Queue) -> list:
+    """The queue's next item, then every item already in it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items

@@ -22,56 +22,66 @@ def _setting(default, help: str):
 @dataclass(frozen=True)
 class ServeConfig:
     role: str = _setting(
-        "all", "router, prefill, decode, or all (both instances and the router, supervised)"
+        "all",
+        "what this process runs: the router, a prefill or a decode instance, or all of them "
+        "(child processes, restarted when they die)",
     )
-    host: str = _setting("127.0.0.1", "address to listen on")
+    host: str = _setting(
+        "127.0.0.1", "address to listen on (--role all: the router's; its instances use 127.0.0.1)"
+    )
     port: int = _setting(50051, "gRPC port: the router's public API, or an instance's own")
     http_port: int = _setting(
         8000, "the router's HTTP port: OpenAI-compatible API, /health, /metrics (0: none)"
     )
-    preset: str = _setting(
-        "tiny", f"random weights of a preset ({', '.join(PRESET_NAMES)}) unless --model is given"
+    preset: str = _setting("tiny", "random weights of this preset, unless --model is given")
+    model: str | None = _setting(
+        None, "a Hugging Face DeepSeek-V3 checkpoint directory to load instead of a preset"
     )
-    model: str | None = _setting(None, "a Hugging Face DeepSeek-V3 checkpoint directory")
     seed: int = _setting(0, "seed of a preset's random weights")
-    device: str = _setting("auto", "auto (cuda when available), cpu, cuda or cuda:N")
-    num_blocks: int = _setting(512, "KV pages per instance")
+    device: str = _setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    num_blocks: int = _setting(512, "KV cache pages per instance")
     block_size: int = _setting(64, "tokens per KV page")
     max_num_seqs: int = _setting(128, "sequences an instance runs at once")
     max_num_batched_tokens: int = _setting(4096, "tokens per engine step")
-    max_model_len: int = _setting(2048, "prompt + max_tokens limit")
+    max_model_len: int = _setting(2048, "the longest prompt + max_tokens a request may ask for")
     max_waiting: int = _setting(1024, "queued requests per instance before RESOURCE_EXHAUSTED")
     hold_seconds: float = _setting(
         60.0, "lease on a prefill instance's KV: freed after this long unless pulled or released"
     )
-    max_request_bytes: int = _setting(1 << 20, "larger requests are INVALID_ARGUMENT")
+    max_request_bytes: int = _setting(1 << 20, "larger Generate requests are INVALID_ARGUMENT")
     max_inflight: int = _setting(
         1024, "requests the router admits at once; more get RESOURCE_EXHAUSTED (HTTP 429)"
     )
     request_timeout_s: float = _setting(3600.0, "the ceiling of a request without a deadline")
     queue_timeout_s: float = _setting(30.0, "how long a request may wait for decode room")
-    health_interval_s: float = _setting(1.0, "seconds between the router's health checks")
+    health_interval_s: float = _setting(
+        1.0, "time between the router's health checks of an instance"
+    )
     health_failures: int = _setting(3, "failed checks in a row before an instance is dropped")
-    prefill_instances: int = _setting(1, "prefill instances --role all starts")
-    decode_instances: int = _setting(1, "decode instances --role all starts")
+    prefill_instances: int = _setting(1, "how many prefill instances --role all starts")
+    decode_instances: int = _setting(1, "how many decode instances --role all starts")
     prefill: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "the router's prefill instances (host:port,...)"}
+        default_factory=list,
+        metadata={"help": "--role router: the prefill instances, comma-separated"},
     )
     decode: list[str] = dataclasses.field(
-        default_factory=list, metadata={"help": "the router's decode instances (host:port,...)"}
+        default_factory=list,
+        metadata={"help": "--role router: the decode instances, comma-separated"},
     )
     ranks: int = _setting(1, "processes per instance: data-parallel attention, expert-parallel MoE")
     rank: int = _setting(0, "this process's rank in its instance (--role all and torchrun set it)")
     group_address: str | None = _setting(
-        None, "host:port where an instance's ranks meet, or env (torchrun's)"
+        None, "where an instance's ranks meet: host:port, or env (torchrun's environment)"
     )
     group_timeout_s: float = _setting(300.0, "how long a rank waits for its peers")
     api_key_file: str | None = _setting(
         None, "API keys, one per line (also REF_SERVER_API_KEYS); none: the API is open"
     )
     isolate_cache: bool = _setting(False, "prefix-cache hits only within one API key")
-    tls_cert: str | None = _setting(None, "PEM certificate for the public gRPC and HTTP APIs")
-    tls_key: str | None = _setting(None, "PEM private key of tls_cert")
+    tls_cert: str | None = _setting(
+        None, "PEM certificate of the public gRPC and HTTP APIs (with --tls-key)"
+    )
+    tls_key: str | None = _setting(None, "PEM private key of --tls-cert")
     internal_secret_file: str | None = _setting(
         None,
         "the internal services' secret (else REF_SERVER_INTERNAL_SECRET; --role all makes one)",
@@ -96,7 +106,7 @@ class ServeConfig:
         problems += [
             f"{n} must be > 0, got {getattr(self, n)}" for n in positive if getattr(self, n) <= 0
         ]
-        if not 0 <= self.rank < self.ranks:
+        if self.ranks > 0 and not 0 <= self.rank < self.ranks:
             problems.append(f"need 0 <= rank < ranks, got rank {self.rank} of {self.ranks}")
         if self.ranks > 1 and self.role in ("prefill", "decode") and not self.group_address:
             problems.append("an instance of several ranks needs group_address (host:port)")

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -33,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ref_server.services.config import ServeConfig
 from ref_server.services.security import SECRET_ENV, new_secret, read_secret
+from ref_server.services.servers import SUPERVISOR_ENV
 
 log = logging.getLogger(__name__)
 RESTART_DELAYS_S = (1, 2, 5, 10, 30)  # after the first, second, ... death in a row
@@ -84,11 +86,20 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def wait_serving(address: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+def wait_serving(
+    address: str,
+    timeout: float,
+    process: subprocess.Popen | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Until the health service at `address` says SERVING; RuntimeError after `timeout` or if
     `process` exits first."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    if credentials is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -135,7 +146,7 @@ class Deployment:
     def __init__(self, config: ServeConfig, startup_timeout: float = 600.0) -> None:
         self.config = config
         secret = read_secret(config.internal_secret_file) or new_secret()
-        self.env = {**os.environ, SECRET_ENV: secret}
+        self.env = {**os.environ, SECRET_ENV: secret, SUPERVISOR_ENV: str(os.getpid())}
         self.startup_timeout = startup_timeout
         self.instances = self._instances()
         self.address = f"127.0.0.1:{config.port}"
@@ -190,8 +201,12 @@ class Deployment:
         return units
 
     def _wait(self, unit: Unit) -> None:
+        credentials = None
+        if unit is self.router and self.config.tls_cert:  # the chain up to its root, or self-signed
+            roots = Path(self.config.tls_cert).read_bytes()
+            credentials = grpc.ssl_channel_credentials(root_certificates=roots)
         for address, process in unit.processes.items():
-            wait_serving(address, self.startup_timeout, process)
+            wait_serving(address, self.startup_timeout, process, credentials)
 
     def _supervise(self) -> None:
         while not self.stopping.wait(0.5):

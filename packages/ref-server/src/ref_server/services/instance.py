@@ -165,16 +165,16 @@ class DecodeService(rpc.DecodeServicer):
             method = await self._pull(request, targets, context)
             await asyncio.wrap_future(self.loop.submit(lambda engine: engine.start(request_id)))
             yield pb.DecodeResponse(kv_transfer=method)
-            while True:
-                kind, value = await events.get()
-                if kind == "error":
-                    await context.abort(grpc.StatusCode.INTERNAL, value)
-                if kind == "token":
-                    yield pb.DecodeResponse(token_ids=[value])
-                else:
-                    finished = True
-                    yield pb.DecodeResponse(finish_reason=FINISH[value])
-                    return
+            while not finished:
+                batch = await events.batch()
+                ends = [(kind, value) for kind, value in batch if kind != "token"]
+                if ends and ends[0][0] == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, ends[0][1])
+                finished = bool(ends)
+                yield pb.DecodeResponse(
+                    token_ids=[value for kind, value in batch if kind == "token"],
+                    finish_reason=FINISH[ends[0][1]] if ends else pb.FINISH_REASON_UNSPECIFIED,
+                )
         finally:
             if not finished:  # cancelled or failed: free the reserved or running pages
                 self.loop.cancel(request_id)

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from ref_server import __version__
@@ -50,11 +50,19 @@ FINISH = {1: "stop", 2: "length", 3: "abort"}
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """OpenAI's fields are nullable, and clients send null for "not given": the default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=-1, lt=2**31)  # -1 or 0: all (vLLM's -1 too); int32
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
@@ -96,7 +104,7 @@ class CompletionBody(_Body):
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's new system
     content: str | list[dict]
 
     def text(self) -> str:
@@ -155,15 +163,18 @@ class OpenAIApi:
         tokenizer = self.router.tokenizer
         if isinstance(body, ChatBody):
             try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                messages = [
+                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in body.messages
+                ]
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             except ValueError as error:
                 raise _invalid(str(error)) from None
             return [tokenizer.encode(text, add_special_tokens=False)]
         prompt = body.prompt
         if isinstance(prompt, str):
-            return [tokenizer.encode(prompt)]
-        if not prompt:
+            prompt = [prompt]
+        if not prompt or any(p in ("", []) for p in prompt):
             raise _invalid("empty prompt")
         if isinstance(prompt[0], str):
             return [tokenizer.encode(p) for p in prompt]
@@ -179,6 +190,9 @@ class OpenAIApi:
             raise RequestError(grpc.StatusCode.NOT_FOUND, message)
         if problem := body.unsupported():
             raise _invalid(problem)
+        vocab = self.router.model.vocab_size
+        if bad := [t for t in body.stop_token_ids if not 0 <= t < vocab]:
+            raise _invalid(f"stop_token_ids: token id {bad[0]} outside [0, {vocab})")
         if body.model_extra:
             log.debug("ignored fields: %s", ", ".join(body.model_extra))
         prompts = self._prompts(body)
@@ -188,6 +202,11 @@ class OpenAIApi:
             max_tokens = body.max_tokens
             if isinstance(body, ChatBody):
                 max_tokens = body.max_completion_tokens or max_tokens or limit - len(prompt)
+                if max_tokens <= 0:
+                    raise _invalid(
+                        f"the prompt of {len(prompt)} tokens leaves no room for a completion "
+                        f"in the context limit of {limit}"
+                    )
             for choice in range(body.n):
                 seed = secrets.randbits(63) if body.seed is None else body.seed + choice
                 try:
@@ -195,7 +214,7 @@ class OpenAIApi:
                         limit,
                         temperature=body.temperature,
                         top_p=body.top_p,
-                        top_k=body.top_k,
+                        top_k=max(body.top_k, 0),
                         max_tokens=max_tokens,
                         seed=seed % 2**63,
                         stop_token_ids=tuple(body.stop_token_ids),
@@ -255,9 +274,18 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
-        where = lambda e: ".".join(str(part) for part in e["loc"] if part != "body")  # noqa: E731
-        message = "; ".join(f"{where(e)}: {e['msg']}" for e in error.errors()[:5])
-        return JSONResponse(error_body(400, "invalid_request_error", message), 400)
+        errors = error.errors()
+        if errors and errors[0]["type"] == "json_invalid":
+            at, why = errors[0]["loc"][-1], errors[0].get("ctx", {}).get("error", "")
+            message = f"the body is not valid JSON (at character {at}): {why}".rstrip(": ")
+            return JSONResponse(error_body(400, "invalid_request_error", message), 400)
+        where = [".".join(str(part) for part in e["loc"] if part != "body") for e in errors[:5]]
+        message = "; ".join(
+            f"{w or 'body'}: {e['msg']}" for w, e in zip(where, errors, strict=False)
+        )
+        body = error_body(400, "invalid_request_error", message)
+        body["error"]["param"] = where[0] or None if where else None
+        return JSONResponse(body, 400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
@@ -268,6 +296,12 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
     @app.exception_handler(RequestError)
     async def request_error(request, error: RequestError):
         return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def internal(request, error: Exception):
+        """A bug of ours: an OpenAI-style body too (uvicorn logs the traceback, not the client)."""
+        message = f"internal error ({type(error).__name__}); the router's log has the details"
+        return JSONResponse(error_body(500, "server_error", message), 500)
 
     @app.get("/health")
     async def health():
@@ -312,12 +346,17 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
             "created": int(time.time()),
             "model": api.model_id,
         }
-        echo = (
-            [router.tokenizer.decode(p) for p in prompts] if getattr(body, "echo", False) else None
-        )
+        # echo is a completions field: a chat body's `echo` is an unknown field, ignored
+        echoed = isinstance(body, CompletionBody) and body.echo
+        echo = [router.tokenizer.decode(p) for p in prompts] if echoed else None
         if body.stream:
+            events = api.events(submissions)
+            first = await anext(events)  # a refusal gets its status (429, 503), not a 200
+            if isinstance(first[1], RequestError):
+                await events.aclose()
+                return error_response(first[1])
             usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = stream(api, submissions, prompts, body.n, head, echo, usage)
+            chunks = stream(api, first, events, prompts, body.n, head, echo, usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         collect = asyncio.create_task(collected(api, submissions, prompts, body.n, head, echo))
         while not (await asyncio.wait({collect}, timeout=0.25))[0]:
@@ -344,13 +383,14 @@ def _choice(kind: str, index: int, text: str, finish: str | None, first: bool = 
 async def collected(api: OpenAIApi, submissions, prompts, n: int, head: dict, echo) -> JSONResponse:
     texts = [echo[i // n] if echo else "" for i in range(len(submissions))]
     finished: dict[int, Finished] = {}
-    async for index, event in api.events(submissions):
-        if isinstance(event, RequestError):
-            return error_response(event)
-        if isinstance(event, Tokens):
-            texts[index] += event.text
-        else:
-            finished[index] = event
+    async with contextlib.aclosing(api.events(submissions)) as events:
+        async for index, event in events:
+            if isinstance(event, RequestError):
+                return error_response(event)
+            if isinstance(event, Tokens):
+                texts[index] += event.text
+            else:
+                finished[index] = event
     choices = []
     for index, text in enumerate(texts):
         reason = FINISH[finished[index].finish_reason]
@@ -366,10 +406,11 @@ async def collected(api: OpenAIApi, submissions, prompts, n: int, head: dict, ec
     return JSONResponse({**head, "choices": choices, "usage": api.usage(finished, prompts, n)})
 
 
-async def stream(api: OpenAIApi, submissions, prompts, n: int, head: dict, echo, usage: bool):
-    """Server-sent events: per choice a first chunk (chat: the assistant role), text chunks,
-    exactly one chunk with its finish_reason; then with include_usage a chunk of no choices
-    and the usage; then [DONE]. An error is one `error` event, then [DONE]."""
+async def stream(api: OpenAIApi, first, events, prompts, n: int, head: dict, echo, usage: bool):
+    """Server-sent events of `first` and the rest of `events`: per choice a first chunk (chat:
+    the assistant role), text chunks, exactly one chunk with its finish_reason; then with
+    include_usage a chunk of no choices and the usage; then [DONE]. An error is one `error`
+    event, then [DONE]."""
     kind = "text_completion" if head["object"] == "text_completion" else "chat.completion.chunk"
     head = {**head, "object": kind}
 
@@ -378,7 +419,7 @@ async def stream(api: OpenAIApi, submissions, prompts, n: int, head: dict, echo,
 
     started: set[int] = set()
     finished: dict[int, Finished] = {}
-    async for index, item in api.events(submissions):
+    async for index, item in _after(first, events):
         if isinstance(item, RequestError):
             status, name = HTTP_STATUS.get(item.code, (500, "server_error"))
             yield f"data: {json.dumps(error_body(status, name, item.message))}\n\n"
@@ -396,6 +437,14 @@ async def stream(api: OpenAIApi, submissions, prompts, n: int, head: dict, echo,
         if usage:
             yield event([], usage=api.usage(finished, prompts, n))
     yield "data: [DONE]\n\n"
+
+
+async def _after(first, events):
+    """`first`, then the rest of `events`, which is closed however the iteration ends."""
+    async with contextlib.aclosing(events):
+        yield first
+        async for item in events:
+            yield item
 
 
 class BodyLimit:
@@ -432,7 +481,12 @@ class HttpServer(uvicorn.Server):
     def __init__(self, app, host: str, port: int, cert: str | None, key: str | None) -> None:
         super().__init__(
             uvicorn.Config(
-                app, log_level="warning", ssl_certfile=cert, ssl_keyfile=key, lifespan="off"
+                app,
+                log_level="warning",
+                ssl_certfile=cert,
+                ssl_keyfile=key,
+                lifespan="off",
+                timeout_graceful_shutdown=2,  # as the gRPC server's grace
             )
         )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -29,7 +29,7 @@ import grpc
 
 from ref_server.engine import prefix_hashes
 from ref_server.model import SamplingParams
-from ref_server.services.aio import background
+from ref_server.services.aio import background, drained
 from ref_server.services.engine_loop import one_line
 from ref_server.services.messages import sampling_message
 from ref_server.services.metrics import Metrics
@@ -103,6 +103,19 @@ class Flight:
     aborted: bool = False
     completion: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+
+
+def _merged(events: list) -> list:
+    """Runs of Tokens as one (a client that lags gets fewer, larger chunks)."""
+    merged = []
+    for event in events:
+        if isinstance(event, Tokens) and merged and isinstance(merged[-1], Tokens):
+            merged[-1] = Tokens(
+                merged[-1].token_ids + event.token_ids, merged[-1].text + event.text
+            )
+        else:
+            merged.append(event)
+    return merged
 
 
 class DecodeRoom:
@@ -189,12 +202,22 @@ class Router:
         events: asyncio.Queue = asyncio.Queue()
         flight.task = asyncio.create_task(self._run(flight, events))
         try:
-            while (event := await events.get()) is not None:
-                if isinstance(event, RequestError):
-                    raise event
-                yield event
+            while True:
+                for event in _merged(await drained(events)):
+                    if event is None:
+                        return
+                    if isinstance(event, RequestError):
+                        raise event
+                    yield event
         finally:
             flight.task.cancel()  # the client went away: the task frees what it holds
+
+    async def close(self) -> None:
+        """End every request in flight (the server is stopping)."""
+        tasks = [f.task for f in self.inflight.values() if f.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def abort(self, owner: str, request_id: str) -> bool:
         """End a request of this owner; False when it has none of that id in flight."""
@@ -328,6 +351,9 @@ class Router:
         )
         tried: set[Worker] = set()
         while True:
+            if not prefill.routable:  # its KV went with it
+                message = f"{prefill.name}, which holds the request's KV, is down"
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, message)
             if not any(w.routable for w in self.pool.of("decode")):
                 problem = self.pool.problem or "no healthy decode instance"
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
@@ -354,11 +380,13 @@ class Router:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # no pages there now
                     tried.add(worker)
                     continue
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED):
-                    self.pool.failed(worker)  # unreachable, or it has not heard of the prefill
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.failed(worker)
                     tried.add(worker)
                     continue
-                if code == grpc.StatusCode.ABORTED:  # the KV could not be had: not its fault
+                if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.PERMISSION_DENIED):
+                    # the KV could not be had (or its prefill instance was dropped): not the
+                    # decode instance's fault
                     self.metrics.transfer_failures.inc()
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, error.details()) from None
                 raise self._failure(worker, error, "decode") from None
@@ -373,7 +401,7 @@ class Router:
         if left <= 0:
             message = "no decode instance had room in time; retry later"
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, RETRY_AFTER_S)
-        await self.room.wait(min(left, 1.0))  # woken when a decode call ends, else polls
+        await self.room.wait(min(left, 0.25))  # woken when a decode call ends, else looks again
 
     async def _stream(self, flight: Flight, call, text: TextStream, events) -> int:
         while (message := await call.read()) is not grpc.aio.EOF:

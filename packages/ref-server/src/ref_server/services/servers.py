@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +51,7 @@ from ref_server.v1 import serving_pb2_grpc as rpc
 log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SUPERVISOR_ENV = "REF_SERVER_SUPERVISOR_PID"  # set by --role all for its children
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -144,7 +146,8 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
 # ---------------------------------------------------------------- servers
 
 
-def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> None:
+def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> int:
+    """The port bound (config.port, or a free one for 0)."""
     address = f"{config.host}:{config.port}"
     try:
         if credentials is None:
@@ -155,30 +158,37 @@ def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> N
         bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
+    return bound
 
 
-def _secret(config: ServeConfig) -> str:
+def internal_secret(config: ServeConfig) -> str:
     secret = read_secret(config.internal_secret_file)
     if secret is None:
         raise ValueError(
             "the internal services need the deployment's secret: set REF_SERVER_INTERNAL_SECRET "
-            "or internal_secret_file (--role all makes one and hands it to its children)"
+            "or --internal-secret-file (--role all makes one and hands it to its children)"
         )
     return secret
 
 
 async def _until(stop: asyncio.Event | None) -> None:
-    """Until `stop` is set, or SIGINT or SIGTERM."""
+    """Until `stop` is set, SIGINT or SIGTERM, or the supervisor that started this process
+    is gone (no orphans when `--role all` is killed outright)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(RuntimeError, ValueError):  # not the main thread
             loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+        if supervisor and os.getppid() != int(supervisor):
+            log.warning("the supervisor (pid %s) is gone: stopping", supervisor)
+            stop.set()
 
 
-async def run_instance(config: ServeConfig, engine: Engine, group, stop=None) -> None:
-    secret = _secret(config)
+async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, stop=None):
     aio_loop = asyncio.get_running_loop()
     health_service = health.aio.HealthServicer()
 
@@ -210,10 +220,10 @@ async def run_instance(config: ServeConfig, engine: Engine, group, stop=None) ->
         puller = KvPuller(engine.runner, secret)
         rpc.add_InstanceServicer_to_server(InstanceService(loop, info, puller), server)
         rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len, puller), server)
-    _listen(server, config)
+    port = _listen(server, config)
     await server.start()
     await health_service.set("", SERVING)
-    print(f"ref-server {config.role}: serving on {config.host}:{config.port}", flush=True)
+    print(f"ref-server {config.role}: serving on {config.host}:{port}", flush=True)
     try:
         await _until(stop)
     finally:
@@ -222,8 +232,7 @@ async def run_instance(config: ServeConfig, engine: Engine, group, stop=None) ->
         loop.stop()
 
 
-async def run_router(config: ServeConfig, stop=None) -> None:
-    secret = _secret(config)
+async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
     facts, tokenizer = model_facts(config)
     metrics = Metrics()
     keys = ApiKeys(read_api_keys(config.api_key_file), config.isolate_cache)
@@ -261,7 +270,7 @@ async def run_router(config: ServeConfig, stop=None) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     names = [ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    _listen(server, config, credentials)
+    port = _listen(server, config, credentials)
     http = None
     if config.http_port:
         from ref_server.services.openai_api import HttpServer, create_app
@@ -272,7 +281,7 @@ async def run_router(config: ServeConfig, stop=None) -> None:
     await pool.start()
     await show()
     http_task = asyncio.create_task(http.serve()) if http else None
-    print(f"ref-server router: serving on {config.host}:{config.port}", flush=True)
+    print(f"ref-server router: serving on {config.host}:{port}", flush=True)
     try:
         await _until(stop)
     finally:
@@ -281,15 +290,19 @@ async def run_router(config: ServeConfig, stop=None) -> None:
             http.should_exit = True
             await http_task
         await server.stop(grace=2)
+        await router.close()
         await pool.close()
 
 
 def serve(config: ServeConfig) -> None:
-    """Run this config's process until SIGINT or SIGTERM."""
+    """Run this config's process until SIGINT or SIGTERM. What is missing (the secret, the
+    device) is said before the slow parts (joining the ranks, loading the model)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    secret = internal_secret(config)
     if config.role == "router":
-        asyncio.run(run_router(config))
+        asyncio.run(run_router(config, secret))
         return
+    torch_device(config)
     group = join_group(config)
     engine = Engine(load_model(config, group), scheduler_config(config))
-    asyncio.run(run_instance(config, engine, group))
+    asyncio.run(run_instance(config, secret, engine, group))
