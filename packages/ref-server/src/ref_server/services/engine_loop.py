@@ -140,6 +140,9 @@ class EngineLoop:
         )
 
     def _run(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(device)
         while not self.stopped:
             self._run_commands(wait=False)
             self._expire_leases()
