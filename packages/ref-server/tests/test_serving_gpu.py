@@ -112,7 +112,7 @@ def test_a_cuda_ipc_copy_that_outlasts_its_lease_is_an_error_not_wrong_kv(servin
             assert torch.equal(copied.cpu().view(torch.int16).flatten(), sent), index
         late = await prefill_one("late")
         puller.delay = 2.0
-        with pytest.raises(TransferError, match="lease ran out"):
+        with pytest.raises(TransferError, match="lease on the KV ran out during the copy"):
             await puller.pull(address, late.kv_handle, targets, late.num_pages)
         await channel.close()
 

@@ -241,5 +241,5 @@ class Deployment:
         if self.supervisor.is_alive():
             self.supervisor.join(timeout=5)
         self.router.kill()  # the router first: no new requests reach dying instances
-        for unit in self.instances:
-            unit.kill()
+        for unit in sorted(self.instances, key=lambda u: u.role != "decode"):
+            unit.kill()  # decode instances before the prefill caches they map
