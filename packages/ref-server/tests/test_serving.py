@@ -133,6 +133,31 @@ def test_256_concurrent_streams_complete_without_an_error(tiny_deployment, clien
     serving.wait_idle(client)
 
 
+def test_aborts_right_after_the_first_chunk_leave_nothing_running(tiny_deployment, client, serving):
+    """100 streams, each aborted by Router.Abort as its first chunk arrives: the decode calls
+    are cancelled while the decode instance admits them, and still nothing stays reserved,
+    running or held (the adversarial run found 12-19 sequences decoding for nobody)."""
+
+    async def run() -> list:
+        async with grpc.aio.insecure_channel(tiny_deployment.address) as channel:
+            stub = rpc.RouterStub(channel)
+
+            async def one(i: int):
+                message = request([3 + i % 50, 4, 5], f"first-{i}", max_tokens=200)
+                last = None
+                async for response in stub.Generate(message):
+                    if last is None:
+                        await stub.Abort(pb.AbortRequest(request_id=f"first-{i}"))
+                    last = response
+                return last.complete.finish_reason
+
+            return await asyncio.gather(*(one(i) for i in range(100)))
+
+    reasons = asyncio.run(run())
+    assert reasons.count(pb.FINISH_REASON_ABORT) >= 90  # the rest may stop on eos first
+    serving.wait_idle(client, timeout=5)
+
+
 def test_a_repeated_prefix_is_reported_and_skipped(client, reference):
     prefix = list(range(300, 364))  # four 16-token pages
     first = client.generate([*prefix, 7], max_tokens=4, timeout=60)

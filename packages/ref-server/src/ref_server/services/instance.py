@@ -26,9 +26,13 @@ log = logging.getLogger(__name__)
 
 
 async def admit(loop: EngineLoop, request_id: str, add, events: Events, context):
-    """add(engine) for a new request, its events to `events`; a refusal aborts the call."""
+    """add(engine) for a new request, its events to `events`; a refusal aborts the call. A
+    call cancelled meanwhile still ends the request, should the engine have taken it."""
     try:
         return await asyncio.wrap_future(loop.open(request_id, add, events.put))
+    except asyncio.CancelledError:
+        loop.cancel(request_id)  # queued behind the admission: runs after it
+        raise
     except QueueFull as error:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     except ValueError as error:
