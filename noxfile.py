@@ -104,7 +104,7 @@ def build(session: nox.Session, package: str) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The project's main job: the disaggregated deployment on loopback (router, a prefill and
-    a decode instance as processes, the tiny model), a few requests, throughput, economics."""
+    a decode instance as processes, the tiny model), a few requests, what it measured."""
     session.install(
         CPU_TORCH, *(str(package_dir(name)) for name in with_local_dependencies("ref-server"))
     )
