@@ -312,3 +312,11 @@ def test_the_deployment_refuses_a_missing_cuda_before_it_starts_a_process(
     assert main(["serve", "--role", "all", "--device", "cuda", "--port", "0"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line == "ref-server serve: error: device cuda: this machine's torch sees no CUDA device"
+
+
+def test_the_cli_knows_the_model_presets():
+    """config.PRESET_NAMES spells the presets without importing torch: it must stay equal to
+    the model's."""
+    import ref_server.model as M
+
+    assert tuple(M.PRESETS) == PRESET_NAMES

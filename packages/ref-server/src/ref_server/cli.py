@@ -14,7 +14,6 @@ import signal
 import sys
 
 from ref_server import __version__, economics
-from ref_server.config_file import read_toml
 from ref_server.services.config import PRESET_NAMES, ROLES, ServeConfig
 
 DEFAULT_PRESET = "deepseek-day6"
@@ -254,15 +253,7 @@ def _serve_config(args: argparse.Namespace, **forced) -> ServeConfig:
     names the file."""
     names = [f.name for f in dataclasses.fields(ServeConfig)]
     flags = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None} | forced
-    if not args.config:
-        config = ServeConfig(**flags)
-    else:
-        from_file = read_toml(args.config, names)
-        try:
-            config = ServeConfig(**(from_file | flags))
-        except ValueError as error:
-            ServeConfig(**flags)  # the flags' own problem, if they have one
-            raise ValueError(f"config file {args.config}: {error}") from None
+    config = ServeConfig.from_file(args.config, **flags) if args.config else ServeConfig(**flags)
     if config.role in ("prefill", "decode"):
         from ref_server.services.deployment import torchrun_values
 

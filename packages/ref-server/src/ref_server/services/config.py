@@ -120,9 +120,14 @@ class ServeConfig:
 
     @classmethod
     def from_file(cls, path: str | Path, **flags) -> ServeConfig:
-        """The TOML file's values (flat keys, the field names), then the flags."""
+        """The TOML file's values (flat keys, the field names), then the flags; an error the
+        file's values cause names the file."""
         values = read_toml(path, [f.name for f in dataclasses.fields(cls)])
-        return cls(**(values | flags))
+        try:
+            return cls(**(values | flags))
+        except ValueError as error:
+            cls(**flags)  # the flags' own problem, if they have one
+            raise ValueError(f"config file {path}: {error}") from None
 
 
 def _check_type(name: str, value, annotation: str) -> None:

@@ -167,7 +167,10 @@ class DecodeService(rpc.DecodeServicer):
         finished = False
         try:
             method = await self._pull(request, targets, context)
-            await asyncio.wrap_future(self.loop.submit(lambda engine: engine.start(request_id)))
+            try:
+                await asyncio.wrap_future(self.loop.submit(lambda e: e.start(request_id)))
+            except KeyError:  # the engine ended it meanwhile (a failed step)
+                await context.abort(grpc.StatusCode.ABORTED, "the request ended as its KV came")
             yield pb.DecodeResponse(kv_transfer=method)
             while not finished:
                 batch = await events.batch()

@@ -31,7 +31,7 @@ class Metrics:
         )
         self.aborts = Counter(
             "ref_server_pd_aborts",
-            "requests aborted or cancelled, by the stage they were in",
+            "requests aborted or cancelled, by the stage they were in (prefill, handoff, decode)",
             ["stage"],
             registry=r,
         )

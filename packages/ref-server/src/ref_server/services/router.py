@@ -98,7 +98,7 @@ class Flight:
 
     submission: Submission
     internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    stage: str = "queued"  # queued, prefill, handoff, decode
+    stage: str = "prefill"  # then handoff (waiting for decode room, pulling), then decode
     task: asyncio.Task | None = None
     aborted: bool = False
     completion: list[int] = field(default_factory=list)
@@ -248,7 +248,6 @@ class Router:
         text = TextStream(self.tokenizer.decoder(), submission.stops)
         prefill = None
         try:
-            flight.stage = "prefill"
             prefill, first = await self._prefill(flight)
             self.metrics.ttft.observe(time.monotonic() - start)
             self._tokens(flight, text, events, [first.first_token])
