@@ -4,6 +4,7 @@ die or disagree. Every test ends with no page held anywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -88,13 +89,23 @@ def test_cancel_or_abort_at_every_stage_leaves_no_page_held(one_at_a_time, servi
 def test_a_storm_of_aborts_then_a_request_is_served_at_once(one_at_a_time, serving):
     client = Client(one_at_a_time.address)
     streams = [
-        client.responses([3 + i, 4, 5], max_tokens=500, request_id=f"storm-{i}") for i in range(16)
+        client.responses([3 + i, 4, 5], max_tokens=500, request_id=f"storm-{i}") for i in range(64)
     ]
     next(streams[0])
-    for i in range(16):
-        client.abort(f"storm-{i}")
-    outcomes = {last(s).complete.finish_reason for s in streams}
-    assert outcomes == {pb.FINISH_REASON_ABORT}
+    missed = set()
+    for i in range(64):
+        try:
+            client.abort(f"storm-{i}")
+        except grpc.RpcError as error:  # ended at its first token (eos), or not arrived yet
+            assert error.code() == grpc.StatusCode.NOT_FOUND
+            missed.add(i)
+    time.sleep(0.2)
+    for i in missed:  # one that had not arrived is in flight now
+        with contextlib.suppress(grpc.RpcError):
+            client.abort(f"storm-{i}")
+    outcomes = [last(s).complete.finish_reason for s in streams]
+    assert all(outcomes[i] == pb.FINISH_REASON_ABORT for i in set(range(64)) - missed)
+    assert len(missed) < 8
     serving.wait_idle(client)
     start = time.monotonic()
     assert len(client.generate([5, 6, 7], max_tokens=4).token_ids) == 4
