@@ -109,7 +109,7 @@ def test_a_storm_of_aborts_then_a_request_is_served_at_once(one_at_a_time, servi
     serving.wait_idle(client)
     start = time.monotonic()
     assert len(client.generate([5, 6, 7], max_tokens=4).token_ids) == 4
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 3
     client.close()
 
 
@@ -146,7 +146,7 @@ def test_a_request_that_waits_past_its_kv_lease_fails_cleanly_and_admission_is_b
                 tokens += response.chunk.token_ids
         assert late.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "no decode instance had room in time" in late.value.details()
-        assert 0.4 < time.monotonic() - start < 1.5
+        assert 0.4 < time.monotonic() - start < 3
         want = reference.generate([[7, 8, 9]], M.SamplingParams(max_tokens=8))[0]
         assert tokens == want[:1]  # its first token, from the prefill instance, and no other
         first.cancel()
@@ -188,7 +188,7 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
     try:
         client = Client(running.address)
         running.children[running.addresses("decode")[0]].kill()
-        serving.wait_until(lambda: client.health() == "NOT_SERVING", 3, "NOT_SERVING")
+        serving.wait_until(lambda: client.health() == "NOT_SERVING", 5, "NOT_SERVING")
         assert "no healthy decode instance" in client.server_info().problem
         with pytest.raises(grpc.RpcError) as down:
             client.generate([5, 6, 7], max_tokens=4, timeout=10)
