@@ -53,29 +53,39 @@ def one_at_a_time(serving):
 def test_cancel_or_abort_at_every_stage_leaves_no_page_held(one_at_a_time, serving):
     client = Client(one_at_a_time.address)
     before = aborts(one_at_a_time.config.http_port)
-    decoding = client.responses([5, 6], max_tokens=2000, request_id="a")
-    next(decoding)  # a holds the decode instance's one slot from now on
-    serving.wait_until(lambda: load(client, "decode").running == 1, 5, "a decoding")
-    long_prompt = [2 + i % 500 for i in range(700)]
-    prefilling = client.responses(long_prompt, max_tokens=8, request_id="b")
-    queued = client.responses([7, 8, 9], max_tokens=8, request_id="c")
-    serving.wait_until(
-        lambda: (lambda p: p.running == 1 and p.waiting == 1)(load(client, "prefill")),
-        5,
-        "b prefilling and c queued behind it at the prefill instance",
-    )
-    queued.cancel()  # the client goes away while its request waits at the prefill instance
-    client.abort("b")  # aborted while its prompt is being computed
-    assert last(prefilling).complete.finish_reason == pb.FINISH_REASON_ABORT
-    handed_off = client.responses([9, 9, 9], max_tokens=8, request_id="d")
-    assert next(handed_off).WhichOneof("payload") == "chunk"  # prefilled, waiting for room
-    serving.wait_until(lambda: load(client, "prefill").held == 1, 5, "d's KV held for decode")
-    client.abort("d")
-    finished = last(handed_off).complete
-    assert finished.finish_reason == pb.FINISH_REASON_ABORT
-    assert finished.usage.completion_tokens == 1
-    decoding.cancel()  # after many chunks
-    serving.wait_idle(client)
+    streams = []
+
+    def send(prompt, max_tokens, request_id):
+        streams.append(client.responses(prompt, max_tokens=max_tokens, request_id=request_id))
+        return streams[-1]
+
+    def prefill_load(running, waiting) -> bool:
+        found = load(client, "prefill")
+        return found.running == running and found.waiting == waiting
+
+    try:
+        decoding = send([5, 6], 2000, "a")
+        next(decoding)  # a holds the decode instance's one slot from now on
+        serving.wait_until(lambda: load(client, "decode").running == 1, 5, "a decoding")
+        prefilling = send([2 + i % 500 for i in range(1500)], 8, "b")  # ~400 chunks of 4
+        serving.wait_until(lambda: prefill_load(1, 0), 5, "b prefilling")
+        queued = send([7, 8, 9], 8, "c")
+        serving.wait_until(lambda: prefill_load(1, 1), 5, "c queued behind b")
+        queued.cancel()  # the client goes away while its request waits at the prefill instance
+        client.abort("b")  # aborted while its prompt is being computed
+        assert last(prefilling).complete.finish_reason == pb.FINISH_REASON_ABORT
+        handed_off = send([9, 9, 9], 8, "d")
+        assert next(handed_off).WhichOneof("payload") == "chunk"  # prefilled, waiting for room
+        serving.wait_until(lambda: load(client, "prefill").held == 1, 5, "d's KV held")
+        client.abort("d")
+        finished = last(handed_off).complete
+        assert finished.finish_reason == pb.FINISH_REASON_ABORT
+        assert finished.usage.completion_tokens == 1
+        decoding.cancel()  # after many chunks
+        serving.wait_idle(client)
+    finally:  # the next test shares these instances
+        for stream in streams:
+            stream.cancel()
     after = aborts(one_at_a_time.config.http_port)
     for stage, count in (("prefill", 2), ("handoff", 1), ("decode", 1)):
         assert after.get(stage, 0) - before.get(stage, 0) == count, (stage, before, after)

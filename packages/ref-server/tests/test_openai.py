@@ -555,7 +555,7 @@ def test_a_bug_of_ours_still_gets_an_openai_style_500():
 
     from fastapi.testclient import TestClient
 
-    from ref_server.services.openai_api import create_app
+    from ref_server.services.http_server import create_app
     from ref_server.services.security import ApiKeys
 
     def broken(*args):

@@ -1,11 +1,7 @@
-"""The router's OpenAI-compatible HTTP API (FastAPI on uvicorn, in the router's event loop).
-
-`POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events), `GET
-/v1/models`, `GET /health`, `GET /metrics`, `GET /version`. Each choice is one request of the
-router's flow, with its validation and errors: 400 for bad input, 401 without a good API key,
-404 for another model, 429 when the router is full, 503 when no instance can serve, 504 past
-the router's ceiling. A client that disconnects aborts its requests, which frees their pages.
-`usage.prompt_tokens_details.cached_tokens` is always present (0 included).
+"""The router's OpenAI-compatible API, between the HTTP bodies and the router's flow: each
+choice is one request of the flow, with its validation and errors, and its events come back
+as OpenAI's completion, chat and server-sent-event shapes. `usage.prompt_tokens_details.
+cached_tokens` is always present (0 included). The HTTP server itself: `http_server`.
 """
 
 from __future__ import annotations
@@ -15,27 +11,19 @@ import contextlib
 import json
 import logging
 import secrets
-import socket
 import time
 import uuid
-from typing import Literal
 
 import grpc
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.exceptions import HTTPException
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
-from ref_server import __version__
 from ref_server.services.messages import BadRequest, checked_sampling
+from ref_server.services.openai_bodies import ChatBody
 from ref_server.services.router import Finished, RequestError, Router, Tokens
 from ref_server.services.security import ApiKeys
 
 log = logging.getLogger(__name__)
-MAX_STOPS, MAX_N = 16, 16
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
@@ -45,88 +33,6 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 FINISH = {1: "stop", 2: "length", 3: "abort"}
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data):
-        """OpenAI's fields are nullable, and clients send null for "not given": the default."""
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=-1, lt=2**31)  # -1 or 0: all (vLLM's -1 too); int32
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: dict | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-
-    def unsupported(self) -> str | None:
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty and frequency_penalty are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
-        return None
-
-    def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOPS:
-            raise BadRequest(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
-        return stops
-
-
-class CompletionBody(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def unsupported(self) -> str | None:
-        if self.logprobs is not None:
-            return "logprobs is not supported"
-        if (self.best_of or 1) > 1 or self.suffix:
-            return "best_of and suffix are not supported"
-        return super().unsupported()
-
-
-class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's new system
-    content: str | list[dict]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        if any(part.get("type") != "text" for part in self.content):
-            raise BadRequest("only text content parts are supported")
-        return "".join(str(part.get("text", "")) for part in self.content)
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    tools: list | None = None
-
-    def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs is not supported"
-        if self.tools:
-            return "tools are not supported"
-        return super().unsupported()
 
 
 def error_body(status: int, kind: str, message: str) -> dict:
@@ -267,109 +173,6 @@ class OpenAIApi:
         }
 
 
-def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_bytes: int) -> FastAPI:
-    api = OpenAIApi(router, keys)
-    app = FastAPI(title="ref-server", version=__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=max_request_bytes)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, error: RequestValidationError):
-        errors = error.errors()
-        if errors and errors[0]["type"] == "json_invalid":
-            at, why = errors[0]["loc"][-1], errors[0].get("ctx", {}).get("error", "")
-            message = f"the body is not valid JSON (at character {at}): {why}".rstrip(": ")
-            return JSONResponse(error_body(400, "invalid_request_error", message), 400)
-        where = [".".join(str(part) for part in e["loc"] if part != "body") for e in errors[:5]]
-        message = "; ".join(
-            f"{w or 'body'}: {e['msg']}" for w, e in zip(where, errors, strict=False)
-        )
-        body = error_body(400, "invalid_request_error", message)
-        body["error"]["param"] = where[0] or None if where else None
-        return JSONResponse(body, 400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, error: HTTPException):
-        return JSONResponse(
-            error_body(error.status_code, "invalid_request_error", error.detail), error.status_code
-        )
-
-    @app.exception_handler(RequestError)
-    async def request_error(request, error: RequestError):
-        return error_response(error)
-
-    @app.exception_handler(Exception)
-    async def internal(request, error: Exception):
-        """A bug of ours: an OpenAI-style body too (uvicorn logs the traceback, not the client)."""
-        message = f"internal error ({type(error).__name__}); the router's log has the details"
-        return JSONResponse(error_body(500, "server_error", message), 500)
-
-    @app.get("/health")
-    async def health():
-        if serving():
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "problem": router.pool.problem}, 503)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        api._tenant(request)
-        card = {
-            "id": api.model_id,
-            "object": "model",
-            "created": api.created,
-            "owned_by": "ref-server",
-            "max_model_len": router.model.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        return await respond(body, request, "text_completion", "cmpl")
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: Request):
-        return await respond(body, request, "chat.completion", "chatcmpl")
-
-    async def respond(body, request: Request, kind: str, prefix: str):
-        submissions, prompts = api.submissions(body, request)
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
-        head = {
-            "id": response_id,
-            "object": kind,
-            "created": int(time.time()),
-            "model": api.model_id,
-        }
-        # echo is a completions field: a chat body's `echo` is an unknown field, ignored
-        echoed = isinstance(body, CompletionBody) and body.echo
-        echo = [router.tokenizer.decode(p) for p in prompts] if echoed else None
-        if body.stream:
-            events = api.events(submissions)
-            first = await anext(events)  # a refusal gets its status (429, 503), not a 200
-            if isinstance(first[1], RequestError):
-                await events.aclose()
-                return error_response(first[1])
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            chunks = stream(api, first, events, prompts, body.n, head, echo, usage)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        collect = asyncio.create_task(collected(api, submissions, prompts, body.n, head, echo))
-        while not (await asyncio.wait({collect}, timeout=0.25))[0]:
-            if await request.is_disconnected():  # nobody will read it: free the pages now
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-                return Response(status_code=499)
-        return collect.result()
-
-    return app
-
-
 def _choice(kind: str, index: int, text: str, finish: str | None, first: bool = False) -> dict:
     if kind == "text_completion":
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
@@ -445,61 +248,3 @@ async def _after(first, events):
         yield first
         async for item in events:
             yield item
-
-
-class BodyLimit:
-    """413 for request bodies over `limit` bytes, before they are read whole."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and int(length) > self.limit:
-            message = f"request body of {int(length)} bytes is over the limit of {self.limit}"
-            response = JSONResponse(error_body(413, "invalid_request_error", message), 413)
-            return await response(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise HTTPException(413, f"request body over the limit of {self.limit} bytes")
-            return message
-
-        return await self.app(scope, counted, send)
-
-
-class HttpServer(uvicorn.Server):
-    """uvicorn in the caller's event loop, on a socket bound here (a clear error when the
-    port is taken), leaving signals to the caller."""
-
-    def __init__(self, app, host: str, port: int, cert: str | None, key: str | None) -> None:
-        super().__init__(
-            uvicorn.Config(
-                app,
-                log_level="warning",
-                ssl_certfile=cert,
-                ssl_keyfile=key,
-                lifespan="off",
-                timeout_graceful_shutdown=2,  # as the gRPC server's grace
-            )
-        )
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((host, port))
-        except OSError as error:
-            self.socket.close()
-            raise OSError(f"cannot listen on {host}:{port} for HTTP: {error.strerror}") from None
-
-    async def serve(self, sockets=None) -> None:
-        await super().serve(sockets=[self.socket])
-
-    def capture_signals(self):
-        return contextlib.nullcontext()

@@ -103,6 +103,7 @@ class Flight:
     aborted: bool = False
     completion: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    prefills: list = field(default_factory=list)  # every instance asked to prefill it
 
 
 def _merged(events: list) -> list:
@@ -246,7 +247,6 @@ class Router:
     async def _run(self, flight: Flight, events: asyncio.Queue) -> None:
         submission, start = flight.submission, time.monotonic()
         text = TextStream(self.tokenizer.decoder(), submission.stops)
-        prefill = None
         try:
             prefill, first = await self._prefill(flight)
             self.metrics.ttft.observe(time.monotonic() - start)
@@ -275,8 +275,10 @@ class Router:
             self.metrics.requests.labels("internal").inc()
             events.put_nowait(RequestError(grpc.StatusCode.INTERNAL, one_line(error)))
         finally:
-            if prefill is not None:  # whatever the decode instance did, nothing stays held
-                background(self._release(prefill, flight.internal_id))
+            # whatever the decode instance did, and even if a cancel overtook the prefill's
+            # answer, nothing stays held
+            for worker in flight.prefills:
+                background(self._release(worker, flight.internal_id))
             del self.inflight[(submission.owner, submission.request_id)]
             self.metrics.inflight.set(len(self.inflight))
             events.put_nowait(None)
@@ -318,6 +320,7 @@ class Router:
                 problem = self.pool.problem or "no prefill instance could take the request"
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
             worker.assigned += 1
+            flight.prefills.append(worker)
             try:
                 first = await worker.prefill.Prefill(message, timeout=self._remaining(flight))
             except grpc.aio.AioRpcError as error:

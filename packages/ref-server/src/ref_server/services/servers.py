@@ -273,7 +273,7 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
     port = _listen(server, config, credentials)
     http = None
     if config.http_port:
-        from ref_server.services.openai_api import HttpServer, create_app
+        from ref_server.services.http_server import HttpServer, create_app
 
         app = create_app(router, keys, lambda: serving, metrics, config.max_request_bytes)
         http = HttpServer(app, config.host, config.http_port, config.tls_cert, config.tls_key)
