@@ -390,7 +390,8 @@ class Router:
                     # the KV could not be had (or its prefill instance was dropped): not the
                     # decode instance's fault
                     self.metrics.transfer_failures.inc()
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE, error.details()) from None
+                    message = f"the KV from {prefill.name}: {error.details()}"  # who lost it
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, message) from None
                 raise self._failure(worker, error, "decode") from None
             finally:
                 call.cancel()
