@@ -219,6 +219,7 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
         decode = next(w for w in client.server_info().workers if w.role == "decode")
         assert decode.healthy
         busy.cancel()
+        serving.wait_until(lambda: client.health() == "NOT_SERVING", 5, "the prefill dropped")
         serving.wait_until(lambda: client.health() == "SERVING", 60, "the restarted prefill")
         assert client.generate([5, 6, 7], max_tokens=4).token_ids == reference_ids([5, 6, 7], 4)
         serving.wait_idle(client)

@@ -314,10 +314,11 @@ class Router:
             sampling=sampling_message(submission.params),
             cache_salt=submission.cache_salt,
         )
+        unreachable = ""  # the last instance that could not be reached, and why
         while True:
             worker = await self.pool.pick_prefill(hashes, tried)
             if worker is None:
-                problem = self.pool.problem or "no prefill instance could take the request"
+                problem = self.pool.problem or unreachable or "no prefill instance to ask"
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
             worker.assigned += 1
             flight.prefills.append(worker)
@@ -327,6 +328,8 @@ class Router:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     self.pool.failed(worker)
                     tried.add(worker)
+                    details = (error.details() or "").splitlines()[0]
+                    unreachable = f"{worker.name} could not be reached: {details}"
                     continue
                 raise self._failure(worker, error, "prefill") from None
             finally:
