@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ref_server import __version__
-from ref_server.services.config import PRESET_NAMES, ROLES, ServeConfig
+from ref_server.services.config import PRESET_NAMES, ROLES, TWO_BATCH, ServeConfig
 
 NO_TORCH = ("torch", "grpc", "fastapi", "rich")  # what building the parser must not import
 
@@ -320,3 +320,13 @@ def test_the_cli_knows_the_model_presets():
     import ref_server.model as M
 
     assert tuple(M.PRESETS) == PRESET_NAMES
+
+
+def test_the_cli_knows_the_two_batch_modes():
+    from ref_server.engine.model_runner import TWO_BATCH_MODES
+
+    assert TWO_BATCH_MODES == TWO_BATCH
+    with pytest.raises(ValueError, match="two_batch must be one of auto, on, off, got 'yes'"):
+        ServeConfig(two_batch="yes")
+    with pytest.raises(ValueError, match="two_batch_decode_tokens must be >= 2"):
+        ServeConfig(two_batch_decode_tokens=1)

@@ -13,8 +13,8 @@ import ref_server.model as M
 from ep_comm.testing import run_ranks
 from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model import SamplingParams, StepBatch
+from ref_server.model.moe import MoE
 from ref_server.model.sampling import sample
-from ref_server.model.transformer import MoE
 
 pytestmark = pytest.mark.gpu
 

@@ -312,6 +312,14 @@ def test_instances_of_two_ranks_serve_from_every_rank(reference, serving):
     serving.instances_of_two_ranks(serving.config(ranks=2), reference)
 
 
+def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(reference, serving):
+    """Every step of two tokens or more runs as two overlapped microbatches on both ranks."""
+    config = serving.config(
+        ranks=2, two_batch="on", two_batch_decode_tokens=2, two_batch_prefill_tokens=2
+    )
+    serving.instances_of_two_ranks(config, reference, batch_invariant=False)
+
+
 def test_a_rank_that_dies_takes_its_instance_out_of_service(serving):
     """Two ranks of a decode instance started by hand (no supervisor): killing one, its
     sibling's loop fails within the group timeout instead of waiting for ever, and says

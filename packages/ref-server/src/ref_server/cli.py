@@ -14,7 +14,7 @@ import signal
 import sys
 
 from ref_server import __version__, economics
-from ref_server.services.config import PRESET_NAMES, ROLES, ServeConfig
+from ref_server.services.config import PRESET_NAMES, ROLES, TWO_BATCH, ServeConfig
 
 DEFAULT_PRESET = "deepseek-day6"
 
@@ -26,7 +26,8 @@ SETTING_GROUPS = {
     "model": ("preset", "model", "seed", "device"),
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "max_waiting", "hold_seconds",
+        "max_waiting", "hold_seconds", "two_batch", "two_batch_decode_tokens",
+        "two_batch_prefill_tokens",
     ),
     "router": (
         "prefill", "decode", "max_inflight", "max_request_bytes", "request_timeout_s",
@@ -50,7 +51,7 @@ METAVARS = {
     "tls_key": "FILE",
     "internal_secret_file": "FILE",
 }
-CHOICES = {"role": ROLES, "preset": PRESET_NAMES}
+CHOICES = {"role": ROLES, "preset": PRESET_NAMES, "two_batch": TWO_BATCH}
 # `demo` always runs --role all, which sets these itself for its processes.
 NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address")
 

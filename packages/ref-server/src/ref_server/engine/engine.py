@@ -17,10 +17,11 @@ from ref_server.model.sampling import SamplingParams
 
 
 class Engine:
-    def __init__(self, model, config: SchedulerConfig) -> None:
+    def __init__(self, model, config: SchedulerConfig, **runner_options) -> None:
+        """runner_options: `ModelRunner`'s (two_batch, thresholds)."""
         self.model = model
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, config, **runner_options)
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from ref_server.model.args import PRESETS, ModelArgs
-from ref_server.model.cache import PagedKVCache, StepBatch
+from ref_server.model.cache import PagedKVCache
 from ref_server.model.checkpoint import CheckpointError, init_random, load_weights, read_config
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.generate import generate
 from ref_server.model.sampling import SamplingParams
+from ref_server.model.step import StepBatch
 from ref_server.model.tokenizer import load_tokenizer
 from ref_server.model.transformer import Transformer
 

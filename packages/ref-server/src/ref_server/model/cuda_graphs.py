@@ -5,6 +5,11 @@ most of them microseconds long. `DecodeGraphs` captures `Transformer.run_step` o
 batch-size bucket and replays it. A batch is padded to the next bucket. Its padding rows are
 position 0 of the cache's padding block, so they write only there and read only there.
 
+Buckets of at least `two_batch_from` sequences are captured as two microbatches of half the
+bucket each, overlapped in the decode schedule. An expert-parallel model is captured when its
+exchange can be (ep_comm's cuda backend, with a fixed number of received rows): then every rank
+must replay the same bucket at the same time (`__call__`'s `bucket`, `idle`).
+
     graphs = DecodeGraphs(model, cache, max_batch=64)
     logits = graphs(batch)  # a decode StepBatch of at most 64 sequences; [b, vocab] float32
 """
@@ -13,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.cache import PagedKVCache, StepBatch
-from ref_server.model.transformer import StepMetadata
+from ref_server.model.cache import PagedKVCache
+from ref_server.model.step import StepBatch, StepMetadata
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -25,19 +30,32 @@ def buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model, cache: PagedKVCache, max_batch: int = 256, max_blocks: int | None = None
+        self,
+        model,
+        cache: PagedKVCache,
+        max_batch: int = 256,
+        max_blocks: int | None = None,
+        two_batch_from: int | None = None,
+        batch_sizes: list[int] | None = None,
     ) -> None:
-        """max_blocks: the widest block table a batch may bring (default: the whole cache)."""
+        """max_blocks: the widest block table a batch may bring (default: the whole cache).
+        two_batch_from: the smallest bucket captured as two microbatches (None: none).
+        batch_sizes: the buckets to capture instead of `buckets(max_batch)`."""
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
-        if model.expert_parallel:
-            raise ValueError("expert-parallel models run eagerly: their exchange waits on the host")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        expert_parallel = model.expert_parallel
+        if expert_parallel and not expert_parallel.capturable:
+            raise ValueError(
+                f"ep_comm's {expert_parallel.buffer.backend} backend waits on the host: an "
+                "expert-parallel model runs eagerly with it"
+            )
+        self.buckets = sorted(set(batch_sizes)) if batch_sizes else buckets(max_batch)
+        if self.buckets[0] < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.buckets[0]}")
+        max_batch = self.buckets[-1]
         self.model, self.cache = model, cache
         self.max_blocks = max_blocks or cache.num_blocks
-        self.buckets = buckets(max_batch)
-        heads = model.args.num_attention_heads
+        ranks = expert_parallel.rank_and_size[1] if expert_parallel else 1
         pad = cache.padding_block
         device = cache.device
         # Every bucket's graph reads prefixes of these; `__call__` fills them.
@@ -47,15 +65,21 @@ class DecodeGraphs:
         self.block_table = torch.full(
             (max_batch, self.max_blocks), pad, dtype=torch.int32, device=device
         )
+        self.two_batch = {
+            b: two_batch_from is not None and b >= max(two_batch_from, 2) for b in self.buckets
+        }
         self.graphs, self.logits = {}, {}
         pool = None
+        self.num_worst_tokens = {
+            b: (b - b // 2 if self.two_batch[b] else b) * ranks if expert_parallel else 0
+            for b in self.buckets
+        }
         for b in reversed(self.buckets):  # the largest first, so the others fit in its pool
 
             def run(b=b):
-                step = StepMetadata.decode(
-                    self.positions[:b], self.slot_mapping[:b], self.block_table[:b], heads
+                return model.run_step(
+                    self.step_inputs(b), cache, "decode", self.num_worst_tokens[b]
                 )
-                return model.run_step(self.input_ids[:b], step, cache)
 
             with torch.no_grad():
                 run()  # lazy initializations (cuBLAS workspaces, rope tables) stay outside
@@ -66,8 +90,31 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
 
-    def __call__(self, batch: StepBatch) -> torch.Tensor:
-        """Logits `[b, vocab]` float32 of a decode batch; they are overwritten by the next call."""
+    def step_inputs(self, bucket: int) -> list:
+        """What the bucket's graph reads: `run_step`'s (input_ids, StepMetadata) per microbatch
+        over the static inputs (two halves when the bucket runs two microbatches)."""
+        heads = self.model.args.num_attention_heads
+        half = bucket // 2
+        rows = [slice(0, half), slice(half, bucket)] if self.two_batch[bucket] else [slice(bucket)]
+        return [
+            (
+                self.input_ids[r],
+                StepMetadata.decode(
+                    self.positions[r], self.slot_mapping[r], self.block_table[r], heads
+                ),
+            )
+            for r in rows
+        ]
+
+    def bucket(self, num_seqs: int) -> int:
+        """The captured batch size a batch of num_seqs sequences runs in."""
+        if num_seqs > self.buckets[-1]:
+            raise ValueError(f"{num_seqs} sequences exceed the captured {self.buckets[-1]}")
+        return next(size for size in self.buckets if size >= num_seqs)
+
+    def __call__(self, batch: StepBatch, bucket: int | None = None) -> torch.Tensor:
+        """Logits `[b, vocab]` float32 of a decode batch; they are overwritten by the next call.
+        bucket: the captured size to replay (default: the smallest that fits)."""
         b, width = batch.block_table.shape
         if not batch.is_decode:
             raise ValueError("DecodeGraphs runs decode steps only (one new token per sequence)")
@@ -76,7 +123,9 @@ class DecodeGraphs:
                 f"a batch of {b} sequences and {width} blocks exceeds the captured "
                 f"{self.buckets[-1]} sequences and {self.max_blocks} blocks"
             )
-        bucket = next(size for size in self.buckets if size >= b)
+        bucket = bucket or self.bucket(b)
+        if bucket not in self.graphs or bucket < b:
+            raise ValueError(f"bucket {bucket} is not a captured size of at least {b}")
         pad, page = self.cache.padding_block, self.cache.page_size
         for static, rows, fill in (
             (self.input_ids, batch.input_ids, 0),
@@ -89,3 +138,13 @@ class DecodeGraphs:
         # Entries past a sequence's blocks are never read: stale ones from earlier calls stay.
         self.graphs[bucket].replay()
         return self.logits[bucket][:b]
+
+    def idle(self, bucket: int) -> None:
+        """Replay `bucket` with padding rows only: an expert-parallel rank without sequences
+        while its peers replay that bucket."""
+        pad, page = self.cache.padding_block, self.cache.page_size
+        self.input_ids[:bucket] = 0
+        self.positions[:bucket] = 0
+        self.slot_mapping[:bucket] = pad * page
+        self.block_table[:bucket] = pad
+        self.graphs[bucket].replay()

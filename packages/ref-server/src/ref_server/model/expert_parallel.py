@@ -1,18 +1,32 @@
 """Expert-parallel MoE through ep_comm: rank r of R holds routed experts [r E/R, (r+1) E/R).
 
 Attention is data-parallel (every rank runs its own tokens through all of it); in each MoE layer
-every rank's tokens travel to the ranks holding their experts (`Buffer.dispatch`), are
-processed there, and come back summed (`Buffer.combine`). ep_comm moves bf16 rows.
+every rank's tokens travel to the ranks holding their experts (`dispatch`), are processed there,
+and come back summed (`combine`). ep_comm moves bf16 rows. Both calls run on ep_comm's
+communication stream and return at once with an event (`async_finish`): the caller waits on it
+where it reads the result, so compute queued meanwhile (the other microbatch's) overlaps them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ep_comm import Buffer, Config
+from ep_comm import Buffer, Config, EventOverlap
+
+
+@dataclass
+class Dispatched:
+    """Rows received by this rank's experts: x `[m, hidden]`, local expert ids `[m, k]` (-1:
+    another rank's), weights `[m, k]`; handle: ep_comm's, for the way back (None: one rank)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    handle: object
 
 
 class ExpertParallel:
@@ -36,19 +50,36 @@ class ExpertParallel:
             nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_size * 2, size)
         self.buffer = Buffer(group, nvl_bytes, backend=backend, timeout=timeout)
 
-    def exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, run_experts):
-        """x `[n, hidden]`, global expert ids and weights `[n, k]`: the weighted sums of each
-        token's experts, computed by `run_experts(rows, local_ids, weights)` where they live."""
+    @property
+    def capturable(self) -> bool:
+        """Whether the calls can be captured in a CUDA graph (with num_worst_tokens)."""
+        return self.buffer.backend == "cuda"
+
+    def dispatch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_worst_tokens: int = 0
+    ) -> tuple[Dispatched, EventOverlap]:
+        """x `[n, hidden]`, global expert ids and weights `[n, k]`, to the rows this rank's
+        experts receive. num_worst_tokens > 0: outputs of that many rows, padded, with no
+        host synchronization (what CUDA graphs need); at least n x ranks rows."""
         buffer = self.buffer
+        # The layout is ready on this stream when dispatch reads it (its checks read values).
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, self.num_experts)
-        recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
+        recv_x, recv_ids, recv_weights, _, handle, event = buffer.dispatch(
             x.to(torch.bfloat16),
             num_tokens_per_rank=per_rank,
             is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert,
             topk_idx=ids,
             topk_weights=weights.float(),
+            num_worst_tokens=num_worst_tokens,
+            async_finish=x.is_cuda,
         )
-        partial = run_experts(recv_x.to(x.dtype), recv_ids, recv_weights)
-        combined, _, _ = buffer.combine(partial.to(torch.bfloat16), handle)
-        return combined.to(x.dtype)
+        return Dispatched(recv_x, recv_ids, recv_weights, handle), event
+
+    def combine(self, partial: torch.Tensor, handle) -> tuple[torch.Tensor, EventOverlap]:
+        """The sums of each token's expert outputs `[n, hidden]` bf16, back where it came
+        from: partial `[m, hidden]` are the rows `dispatch` gave this rank, weighted."""
+        combined, _, event = self.buffer.combine(
+            partial.to(torch.bfloat16), handle, async_finish=partial.is_cuda
+        )
+        return combined, event

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.cache import PagedKVCache, StepBatch
+from ref_server.model.cache import PagedKVCache
 from ref_server.model.sampling import SamplingParams, sample
+from ref_server.model.step import StepBatch
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from pathlib import Path
 from ref_server.config_file import read_toml
 
 ROLES = ("router", "prefill", "decode", "all")
+TWO_BATCH = ("auto", "on", "off")  # ref_server.engine.model_runner.TWO_BATCH_MODES
 PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -47,6 +48,15 @@ class ServeConfig:
     max_waiting: int = _setting(1024, "queued requests per instance before RESOURCE_EXHAUSTED")
     hold_seconds: float = _setting(
         60.0, "lease on a prefill instance's KV: freed after this long unless pulled or released"
+    )
+    two_batch: str = _setting(
+        "auto",
+        "two-batch overlap: run a step as two microbatches whose expert-parallel exchanges "
+        "overlap each other's compute (auto: with --ranks > 1)",
+    )
+    two_batch_decode_tokens: int = _setting(64, "decode tokens per rank below which one batch runs")
+    two_batch_prefill_tokens: int = _setting(
+        512, "prefill tokens per rank below which one batch runs"
     )
     max_request_bytes: int = _setting(1 << 20, "larger Generate requests are INVALID_ARGUMENT")
     max_inflight: int = _setting(
@@ -95,6 +105,15 @@ class ServeConfig:
             problems.append(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.model and self.preset not in PRESET_NAMES:
             problems.append(f"unknown preset {self.preset!r}; presets: {', '.join(PRESET_NAMES)}")
+        if self.two_batch not in TWO_BATCH:
+            problems.append(
+                f"two_batch must be one of {', '.join(TWO_BATCH)}, got {self.two_batch!r}"
+            )
+        for name in ("two_batch_decode_tokens", "two_batch_prefill_tokens"):
+            if getattr(self, name) < 2:
+                problems.append(
+                    f"{name} must be >= 2 (two microbatches), got {getattr(self, name)}"
+                )
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("port", "http_port"):

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 import ref_server.model as M
+from overlap_sched.gating import Thresholds
 from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model.checkpoint import read_config
 from ref_server.services.aio import background
@@ -304,5 +305,11 @@ def serve(config: ServeConfig) -> None:
         return
     torch_device(config)
     group = join_group(config)
-    engine = Engine(load_model(config, group), scheduler_config(config))
+    thresholds = Thresholds(config.two_batch_decode_tokens, config.two_batch_prefill_tokens)
+    engine = Engine(
+        load_model(config, group),
+        scheduler_config(config),
+        two_batch=config.two_batch,
+        thresholds=thresholds,
+    )
     asyncio.run(run_instance(config, secret, engine, group))

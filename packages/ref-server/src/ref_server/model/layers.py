@@ -1,0 +1,92 @@
+"""The small pieces every layer uses: RMS norm, rotary embeddings (YaRN), the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ref_server.model.args import ModelArgs, yarn_mscale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the rope dims and the factor on cos/sin (YaRN if rope_factor > 1)."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    # on the CPU explicitly: models are built under torch.device("meta") before loading
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    extrapolation = 1.0 / base**exponents
+    if args.rope_factor <= 1:
+        return extrapolation, 1.0
+    factor = args.rope_factor
+
+    def correction_dim(rotations: float) -> float:
+        length = args.original_max_position_embeddings
+        return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(args.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
+    steps = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = (steps - low) / max(high - low, 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (high frequencies), 0: interpolate
+    inv_freq = extrapolation / factor * (1 - keep) + extrapolation * keep
+    if args.mscale and args.mscale_all_dim:
+        attention_factor = yarn_mscale(factor, args.mscale) / yarn_mscale(
+            factor, args.mscale_all_dim
+        )
+    else:
+        attention_factor = yarn_mscale(factor, 1.0)
+    return inv_freq, attention_factor
+
+
+class Rope(nn.Module):
+    """cos and sin of the rope angles at given positions, computed once per pass and shared by
+    every layer."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.inv_freq, self.attention_factor = rope_inv_freq(args)  # not a buffer: stays fp32
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions `[n]` to (cos, sin), each `[n, 1, rope / 2]` of `dtype`."""
+        if self.inv_freq.device != positions.device:  # once: a copy per call would sync the host
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float().unsqueeze(-1) * self.inv_freq
+        cos = (angles.cos() * self.attention_factor).to(dtype).unsqueeze(-2)
+        sin = (angles.sin() * self.attention_factor).to(dtype).unsqueeze(-2)
+        return cos, sin
+
+
+def rotate(x: torch.Tensor, rotation, interleave: bool) -> torch.Tensor:
+    """x `[..., n, heads, rope]` rotated by `Rope`'s (cos, sin); interleaved pairs come out
+    de-interleaved (evens then odds), as in the reference implementation."""
+    cos, sin = rotation
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

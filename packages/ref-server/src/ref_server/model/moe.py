@@ -1,0 +1,185 @@
+"""The Mixture-of-Experts MLP: DeepSeek's router, the routed experts, the shared experts.
+
+Each MoE layer is a list of operations (`MoE.operation`) so that two-batch overlap can run one
+microbatch's dispatch and combine while the other computes; `MoE.forward` runs them in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap_sched import State, run
+from ref_server.model.args import ModelArgs
+from ref_server.model.expert_parallel import Dispatched
+from ref_server.model.layers import MLP
+
+
+class Gate(nn.Module):
+    """Sigmoid scores; the choice adds a per-expert bias and keeps the topk_group groups with the
+    best two-expert sums; weights are the unbiased scores, normalized, times the scaling."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[n, hidden]` to weights `[n, k]` fp32 and expert ids `[n, k]` int64."""
+        return self.select(self.scores(x))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's sigmoid scores `[n, experts]` fp32."""
+        return F.linear(x.float(), self.weight.float()).sigmoid()
+
+    def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        ids = choice.topk(a.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * a.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """This rank's routed experts, stacked (SwiGLU MLPs): gate_up_proj `[e, 2 * inter, hidden]`
+    (each expert's gate_proj rows, then its up_proj rows), down_proj `[e, hidden, inter]`."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: on another rank), weights `[n, k]`:
+        each token's weighted sum of its experts' outputs. Grouped GEMMs for bf16 on the GPU."""
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            return self.grouped(x, ids, weights)
+        return self.looped(x, ids, weights)
+
+    def looped(self, x, ids, weights) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids[ids >= 0].unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+    def grouped(self, x, ids, weights) -> torch.Tensor:
+        """The same with one grouped GEMM per projection over the rows sorted by expert, and
+        nothing that waits for the GPU: rows for other ranks' experts (-1) sort after every
+        group, and each token's k outputs are summed in fp32 in slot order."""
+        num_experts, k = self.gate_up_proj.shape[0], ids.shape[1]
+        valid = ids.flatten() >= 0
+        expert = torch.where(valid, ids.flatten(), num_experts)
+        order = expert.argsort(stable=True)
+        ends = torch.arange(1, num_experts + 1, device=ids.device)
+        offsets = torch.searchsorted(expert[order], ends, out_int32=True)
+        hidden = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offsets)
+        gate, up = hidden.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        per_slot = torch.empty_like(y, dtype=torch.float32)
+        per_slot[order] = y.float()  # rows past the last group are left unwritten: masked below
+        weighted = torch.where(valid[:, None], per_slot * weights.flatten()[:, None], 0.0)
+        return weighted.unflatten(0, ids.shape).sum(dim=1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Routed experts (this rank's share of them) plus shared experts. With `expert_parallel`,
+    tokens travel to the ranks holding their experts through ep_comm and back.
+
+    As operations (state in: mlp_in `[n, hidden]`, normalized; out: mlp_out): gate,
+    select_experts, dispatch_a (sends), dispatch_b (receives), experts, combine_a (sends back),
+    shared_experts, combine_b (receives), output. The two sends return ep_comm's event; the
+    executor waits on it where the receiving op reads what was sent.
+    """
+
+    def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
+        super().__init__()
+        self.args = args
+        self.expert_parallel = expert_parallel
+        rank, size = (0, 1) if expert_parallel is None else expert_parallel.rank_and_size
+        self.first_expert = rank * (args.n_routed_experts // size)
+        self.gate = Gate(args)
+        self.experts = Experts(
+            args.n_routed_experts // size, args.hidden_size, args.moe_intermediate_size
+        )
+        shared = args.moe_intermediate_size * args.n_shared_experts
+        self.shared_experts = MLP(args.hidden_size, shared) if args.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = State(mlp_in=x.reshape(-1, x.shape[-1]))
+        run([self.operation(name) for name in OPERATIONS], state)
+        return state.mlp_out.view(x.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experts.down_proj.dtype
+
+    def operation(self, name: str):
+        return getattr(self, "op_" + name)
+
+    def op_gate(self, state) -> None:
+        state.router_scores = self.gate.scores(state.mlp_in)
+
+    def op_select_experts(self, state) -> None:
+        state.topk_weights, state.topk_ids = self.gate.select(state.pop("router_scores"))
+
+    def op_dispatch_a(self, state):
+        x, weights, ids = state.mlp_in, state.pop("topk_weights"), state.pop("topk_ids")
+        if self.expert_parallel is None:
+            state.dispatched = Dispatched(x, ids, weights, None)
+            return None
+        worst = state.num_worst_tokens if "num_worst_tokens" in state else 0
+        state.dispatched, event = self.expert_parallel.dispatch(x, ids, weights, worst)
+        return event
+
+    def op_dispatch_b(self, state) -> None:
+        state.received = state.pop("dispatched")
+
+    def op_experts(self, state) -> None:
+        received = state.pop("received")
+        out = self.experts(received.x.to(self.dtype), received.ids, received.weights)
+        state.expert_out = (out, received.handle)
+
+    def op_combine_a(self, state):
+        out, handle = state.pop("expert_out")
+        if self.expert_parallel is None:
+            state.combined = out
+            return None
+        state.combined, event = self.expert_parallel.combine(out, handle)
+        return event
+
+    def op_shared_experts(self, state) -> None:
+        x = state.pop("mlp_in")
+        state.shared_out = self.shared_experts(x) if self.shared_experts is not None else None
+
+    def op_combine_b(self, state) -> None:
+        state.routed_out = state.pop("combined")
+
+    def op_output(self, state) -> None:
+        routed, shared = state.pop("routed_out").to(self.dtype), state.pop("shared_out")
+        state.mlp_out = routed if shared is None else routed + shared
+
+
+# The order one batch runs them in.
+OPERATIONS = (
+    "gate",
+    "select_experts",
+    "dispatch_a",
+    "dispatch_b",
+    "experts",
+    "combine_a",
+    "shared_experts",
+    "combine_b",
+    "output",
+)
