@@ -111,12 +111,10 @@ def rank_main(rank, world, group, workload, reps, quick, out):
     rows = []
     for tokens in prefill_points:
         need = moe_bytes(args, tokens, world) * world
-        if need > 0.8 * torch.cuda.mem_get_info()[0]:
-            print(
-                f"{workload} W={world} prefill {tokens}: skipped, its MoE layer would need "
-                f"{need / 2**30:.0f} GiB on the shared GPU",
-                flush=True,
-            )
+        if need > 0.6 * torch.cuda.get_device_properties().total_memory:  # the same on every rank
+            if rank == 0:
+                gib = need / 2**30
+                print(f"{workload} W={world} prefill {tokens}: skipped (needs ~{gib:.0f} GiB)")
             continue
         save = out if tokens == prefill_points[0] else None
         rows.append(prefill_row(model, world, workload, tokens, g, reps, save))
@@ -217,7 +215,10 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=["v3-layer", "v2-lite"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="one prefill and two decode sizes")
-    parser.add_argument("--out", type=Path, help="trace JSON and PNGs go here")
+    parser.add_argument(
+        "--out", type=Path, help="trace JSON and PNGs (of the largest --worlds) go here"
+    )
+    parser.add_argument("--commit", help="the commit to print (default: git rev-parse HEAD)")
     parser.add_argument("--json", type=Path, help="write every row here")
     options = parser.parse_args()
     if not torch.cuda.is_available():
@@ -226,9 +227,10 @@ def main() -> None:
     if options.out:
         options.out.mkdir(parents=True, exist_ok=True)
     limits = ceilings()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    commit = options.commit or subprocess.run(git, capture_output=True, text=True).stdout.strip()
     print(
-        f"{torch.cuda.get_device_name()}, commit {commit.stdout.strip() or '?'}: copy "
+        f"{torch.cuda.get_device_name()}, commit {commit or '?'}: copy "
         f"{limits['copy_GBps']:.0f} GB/s, bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s"
     )
     rows = []
@@ -236,12 +238,14 @@ def main() -> None:
         for world in options.worlds:
             results = run_ranks(
                 world, __file__, "rank_main", workload, options.reps, options.quick,
-                str(options.out or ""), timeout=600, limit=1200,
+                str(options.out or "") if world == max(options.worlds) else "",
+                timeout=600, limit=1200,
             )  # fmt: skip
             rows += results[0]
             print_rows(results[0])
     if options.json:
-        options.json.write_text(json.dumps({"ceilings": limits, "rows": rows}, indent=1))
+        result = {"gpu": torch.cuda.get_device_name(), "commit": commit, "ceilings": limits}
+        options.json.write_text(json.dumps(result | {"rows": rows}, indent=1))
 
 
 def print_rows(rows) -> None:

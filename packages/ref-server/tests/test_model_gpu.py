@@ -20,22 +20,27 @@ pytestmark = pytest.mark.gpu
 
 
 def routing_recorder(model) -> list:
-    """Every MoE gate's (weights, ids), in call order."""
+    """Every MoE gate's choice (weights, ids), in call order."""
     calls = []
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
-            layer.mlp.gate.register_forward_hook(
-                lambda gate, inputs, out: calls.append(tuple(t.cpu() for t in out))
-            )
+            gate, select = layer.mlp.gate, layer.mlp.gate.select
+
+            def recording(scores, select=select):
+                out = select(scores)
+                calls.append(tuple(t.cpu() for t in out))
+                return out
+
+            gate.select = recording
     return calls
 
 
 def replay_routing(model, calls: list) -> None:
-    """Make model's gates return the recorded choices, in the same call order."""
+    """Make model's gates choose the recorded experts, in the same call order."""
     recorded = iter(calls)
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
-            layer.mlp.gate.forward = lambda x: next(recorded)
+            layer.mlp.gate.select = lambda scores: next(recorded)
 
 
 def test_v2_lite_layers_on_the_gpu_match_cpu_float32_math():
