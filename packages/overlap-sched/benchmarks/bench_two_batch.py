@@ -2,7 +2,7 @@
 model, expert-parallel over 1, 2 and 4 processes sharing one GPU.
 
     python benchmarks/bench_two_batch.py [--worlds 1 2 4] [--workloads v3-layer v2-lite]
-        [--out DIR] [--quick]
+        [--out DIR] [--json FILE] [--quick] [--gpu-per-rank]
 
 Each rank holds 1/W of the routed experts and runs its own tokens (data-parallel attention):
 prefill steps of 4K, 8K and 16K new tokens per rank (prompts of 4096 tokens; 4K is one prompt
@@ -16,7 +16,8 @@ processes time-slicing one GPU are not GPUs on NVLink, and with W = 1 there is n
 
 The V3 layer: hidden 7168, MLA with 128 heads, 256 routed experts top-8 plus one shared expert
 (one MoE layer; vocabulary cut to 4096, the head is not what is measured). Trace JSON and
-timeline PNGs of one prefill and one decode layer go to --out.
+timeline PNGs of one prefill and one decode layer go to --out. It runs ref-server's model, so
+it needs ref-server and ep-comm installed beside overlap-sched (figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -218,6 +219,7 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, help="trace JSON and PNGs (of the largest --worlds) go here"
     )
+    parser.add_argument("--gpu-per-rank", action="store_true", help="rank r on GPU r")
     parser.add_argument("--commit", help="the commit to print (default: git rev-parse HEAD)")
     parser.add_argument("--json", type=Path, help="write every row here")
     options = parser.parse_args()
@@ -239,7 +241,7 @@ def main() -> None:
             results = run_ranks(
                 world, __file__, "rank_main", workload, options.reps, options.quick,
                 str(options.out or "") if world == max(options.worlds) else "",
-                timeout=600, limit=1200,
+                timeout=600, limit=1200, gpu_per_rank=options.gpu_per_rank,
             )  # fmt: skip
             rows += results[0]
             print_rows(results[0])
