@@ -62,11 +62,13 @@ def workload_args(name: str) -> M.ModelArgs:
     return M.PRESETS["v2-lite"]
 
 
-def timed(fn, reps: int) -> float:
-    """Median milliseconds of fn() on this rank, each repetition started by a barrier."""
+def timed(fn, reps: int, barrier: bool = True) -> float:
+    """Median milliseconds of fn() on this rank, each repetition started by a barrier (all
+    ranks step together)."""
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -188,25 +190,13 @@ def row(workload, world, mode, tokens, one, two, single, overlapped) -> dict:
 
 def ceilings() -> dict:
     """This run's copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    x = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
 
-    def median_ms(fn, reps=20):
-        fn()
-        times = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
-    copy = median_ms(lambda: y.copy_(x))
-    matmul = median_ms(lambda: a @ b)
+    copy = timed(lambda: y.copy_(x), 20, barrier=False)
+    matmul = timed(lambda: a @ b, 20, barrier=False)
     return {"copy_GBps": 2 * x.numel() / copy / 1e6, "matmul_TFLOPs": 2 * 8192**3 / matmul / 1e9}
 
 
