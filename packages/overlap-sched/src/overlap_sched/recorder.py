@@ -106,7 +106,7 @@ class Recorder:
                     end = max(end, origin.elapsed_time(s.done) * 1e3)
             else:
                 begin, end = host_begin, host_end
-                if s.waits and not s.done:
+                if s.waits:  # a communication op ends when its result was waited for
                     end = max(end, (s.waits[-1][1] - origin_ns) / 1e3)
             track = COMMUNICATION if s.communication else COMPUTE
             if s.communication:  # one communication stream: it starts when the previous ends

@@ -2,9 +2,11 @@
 
 Attention is data-parallel (every rank runs its own tokens through all of it); in each MoE layer
 every rank's tokens travel to the ranks holding their experts (`dispatch`), are processed there,
-and come back summed (`combine`). ep_comm moves bf16 rows. Both calls run on ep_comm's
-communication stream and return at once with an event (`async_finish`): the caller waits on it
-where it reads the result, so compute queued meanwhile (the other microbatch's) overlaps them.
+and come back summed (`combine`). ep_comm moves bf16 rows. On CUDA both calls run on ep_comm's
+communication stream and return an event (`async_finish`) without waiting for the transfer:
+the caller waits on it where it reads the result, so compute queued meanwhile (the other
+microbatch's) overlaps it. (Without `num_worst_tokens` a dispatch still waits on the host for
+its counts, as DeepEP's normal mode does.)
 """
 
 from __future__ import annotations

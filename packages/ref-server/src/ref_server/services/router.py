@@ -295,7 +295,7 @@ class Router:
     def _failure(self, worker: Worker, error: grpc.aio.AioRpcError, hop: str) -> RequestError:
         """A failed call to an instance, for the client (one line, never a traceback)."""
         code = error.code()
-        details = (error.details() or code.name).splitlines()[0]
+        details = first_line(error)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
             return RequestError(code, f"{hop}: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -328,8 +328,7 @@ class Router:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     self.pool.failed(worker)
                     tried.add(worker)
-                    details = (error.details() or "").splitlines()[0]
-                    unreachable = f"{worker.name} could not be reached: {details}"
+                    unreachable = f"{worker.name} could not be reached: {first_line(error)}"
                     continue
                 raise self._failure(worker, error, "prefill") from None
             finally:
@@ -367,8 +366,9 @@ class Router:
                 await self._wait_for_room(flight, room_deadline)
                 tried.clear()
                 continue
+            timeout = self._remaining(flight)  # may raise: before the count it would leak
             worker.assigned += 1
-            call = worker.decode.Decode(message, timeout=self._remaining(flight))
+            call = worker.decode.Decode(message, timeout=timeout)
             try:
                 opening = await call.read()
                 if opening is grpc.aio.EOF:
@@ -418,3 +418,8 @@ class Router:
             if message.finish_reason:
                 return message.finish_reason
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended without a finish")
+
+
+def first_line(error: grpc.aio.AioRpcError) -> str:
+    """An instance's error details as one line (its status code's name when it gave none)."""
+    return (error.details() or error.code().name).splitlines()[0]
