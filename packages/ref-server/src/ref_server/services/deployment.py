@@ -149,7 +149,7 @@ class Deployment:
         self.env = {**os.environ, SECRET_ENV: secret, SUPERVISOR_ENV: str(os.getpid())}
         self.startup_timeout = startup_timeout
         self.instances = self._instances()
-        self.address = f"127.0.0.1:{config.port}"
+        self.address = f"{reachable(config.host)}:{config.port}"
         peers = {role: self.addresses(role) for role in ("prefill", "decode")}
         self.router = Unit("router", {self.address: serve_command(config, role="router", **peers)})
         self.stopping = threading.Event()
@@ -243,3 +243,10 @@ class Deployment:
         self.router.kill()  # the router first: no new requests reach dying instances
         for unit in sorted(self.instances, key=lambda u: u.role != "decode"):
             unit.kill()  # decode instances before the prefill caches they map
+
+
+def reachable(host: str) -> str:
+    """Where this machine reaches a server listening on `host` (all interfaces: loopback)."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host

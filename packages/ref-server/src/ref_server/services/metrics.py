@@ -74,6 +74,7 @@ class Metrics:
             registry=r,
         )
         self._recent: deque[tuple[float, int]] = deque()
+        self._recent_tokens = 0  # the sum over _recent, kept as it changes: this runs per chunk
         self._lock = threading.Lock()
 
     def count_output(self, tokens: int) -> None:
@@ -81,10 +82,11 @@ class Metrics:
         now = time.monotonic()
         with self._lock:
             self._recent.append((now, tokens))
+            self._recent_tokens += tokens
             while self._recent and self._recent[0][0] < now - 10:
-                self._recent.popleft()
+                self._recent_tokens -= self._recent.popleft()[1]
             span = max(now - self._recent[0][0], 1.0)
-            self.tokens_per_s.set(sum(n for _, n in self._recent) / span)
+            self.tokens_per_s.set(self._recent_tokens / span)
 
     def show_workers(self, workers) -> None:
         for w in workers:

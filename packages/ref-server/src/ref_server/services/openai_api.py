@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from ref_server.services.messages import BadRequest, checked_sampling
 from ref_server.services.openai_bodies import ChatBody
 from ref_server.services.router import Finished, RequestError, Router, Tokens
-from ref_server.services.security import ApiKeys
+from ref_server.services.security import ApiKeys, bearer
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {
@@ -58,9 +58,7 @@ class OpenAIApi:
         self.created = int(time.time())
 
     def _tenant(self, request: Request) -> str:
-        header = request.headers.get("authorization", "")
-        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else None
-        tenant = self.keys.check(key)
+        tenant = self.keys.check(bearer(request.headers.items()))
         if tenant is None:
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
         return tenant
