@@ -290,7 +290,10 @@ def absent_peer_on_gpu(rank: int, world: int, group) -> None:
     buffer._impl.state.notify(in_rank, per_expert, *counts)  # as dispatch would, alone
     torch.cuda.synchronize()
     assert time.monotonic() - start < 5
-    match = r"rank 0/2: the barrier starting a call timed out after 2 s waiting for rank 1"
+    match = (
+        r"rank 0/2: the barrier starting a call timed out after 2 s waiting for rank 1 "
+        r".* rebuild the buffer \(Buffer.reset\(\) on every rank\)"
+    )
     with pytest.raises(EPCommError, match=match):
         buffer.dispatch(
             p.x[rank].cuda(),
@@ -333,9 +336,147 @@ def overflow_on_gpu(rank: int, world: int, group) -> None:
     match = rf"rank 0/{world}: an earlier dispatch received {received} rows, more than its"
     with pytest.raises(EPCommError, match=match):
         buffer.dispatch(x, **layout)
-    # reported once; the buffer still works
+    # poisoned until rebuilt
+    assert int(buffer.error_flag) == (2 if len(expected_receive(p, rank, world)[0]) > 2 else 0)
+    buffer.reset()
     recv_x, *_ = buffer.dispatch(x, **layout)
     assert torch.equal(recv_x.cpu(), expected_receive(p, rank, world)[0])
+    assert int(buffer.error_flag) == 0
+
+
+def _dispatch_and_combine(buffer, x, topk_idx, num_experts: int, num_worst_tokens: int = 0):
+    """One dispatch of CUDA x and topk_idx, the identity as experts, one combine: (received
+    rows, combined)."""
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        num_worst_tokens=num_worst_tokens,
+    )
+    combined, _, _ = buffer.combine(recv_x, handle)
+    return recv_x, combined
+
+
+def _sums_of_copies(p: Problem, rank: int, world: int) -> torch.Tensor:
+    """What combine returns when every rank returns the rows it received unchanged."""
+    per_rank = p.num_experts // world
+    idx = p.topk_idx[rank]
+    ranks = [((idx >= 0) & (idx // per_rank == r)).any(dim=1) for r in range(world)]
+    copies = torch.stack(ranks).sum(dim=0, dtype=torch.float32)
+    return (p.x[rank].float() * copies.unsqueeze(1)).to(torch.bfloat16)
+
+
+def sleeping_peer(rank: int, world: int, group, graph: bool) -> None:
+    """Rank 1 sleeps past the timeout before launching a combine's kernels (eager; its own
+    kernels then wait for rank 0 in vain) or instead of a replay of a captured dispatch +
+    combine (graph). Rank 0's call returns without raising, with NaN outputs and error_flag 1,
+    and so does every later call; raise_if_failed then raises on every rank, and reset() gives
+    a working buffer without restarting anything."""
+    p = make_problem(world, seed=17)
+    timeout = 3
+    buffer = make_buffer(group, world, "cuda", timeout=timeout)
+    worst = max(len(expected_receive(p, r, world)[0]) for r in range(world))
+    x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
+    if graph:
+        _dispatch_and_combine(buffer, x, topk_idx, p.num_experts, worst)  # warm-up
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            recv_x, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts, worst)
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(combined.cpu(), _sums_of_copies(p, rank, world))
+        if rank == 1:
+            time.sleep(timeout + 1)  # skips the replay
+        else:
+            cuda_graph.replay()
+    else:
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
+        if rank == 1:  # past the arguments' check, stuck before its kernels (the host, say)
+            launch = buffer._impl.combine
+
+            def late(*args):
+                time.sleep(timeout + 1)
+                return launch(*args)
+
+            buffer._impl.combine = late
+        combined, _, _ = buffer.combine(recv_x, handle)
+    if rank == 0:
+        torch.cuda.synchronize()
+        assert combined.isnan().all() and int(buffer.error_flag) == 1
+        if graph:  # stays poisoned, and gives up at once instead of waiting out the timeout
+            start = time.monotonic()
+            cuda_graph.replay()
+            torch.cuda.synchronize()
+            assert time.monotonic() - start < 1
+            assert recv_x.isnan().all() and combined.isnan().all()
+    match = (
+        "combine .* timed out after 3 s waiting for rank 1|the barrier starting a call timed out"
+    )
+    with pytest.raises(EPCommError, match=match):
+        buffer.raise_if_failed()
+    if rank == 1 and not graph:
+        torch.cuda.synchronize()
+        assert combined.isnan().all() and int(buffer.error_flag) == 1
+    buffer.reset()
+    assert int(buffer.error_flag) == 0
+    _, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+    assert torch.equal(combined.cpu(), _sums_of_copies(p, rank, world))
+
+
+def allocation_fails_between_kernels(rank: int, world: int, group) -> None:
+    """Rank 1 cannot allocate its received rows after notify (an OOM, say): it raises from that
+    dispatch but still drains its peers' rows instead of leaving them waiting; the peers' next
+    call raises, and reset() recovers."""
+    p = make_problem(world, seed=19)
+    buffer = make_buffer(group, world, "cuda", timeout=10)
+    x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
+    if rank == 1:
+        real = buffer._impl._outputs
+
+        def out_of_memory(sources, rows, padded):
+            if rows:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(sources, rows, padded)
+
+        buffer._impl._outputs = out_of_memory
+        with pytest.raises(EPCommError, match=r"rank 1/2: dispatch could not allocate its \d+"):
+            _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+        buffer._impl._outputs = real
+        with pytest.raises(EPCommError, match="dropped the rest"):
+            buffer.raise_if_failed()
+    else:  # its dispatch completes; its combine's check learns of rank 1's failure
+        with pytest.raises(EPCommError, match=r"rank 1: .* dropped the rest"):
+            _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+    buffer.reset()
+    _, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+    assert torch.equal(combined.cpu(), _sums_of_copies(p, rank, world))
+
+
+def wrong_device(rank: int, world: int, group) -> None:
+    """A CPU tensor given to the cuda backend: ValueError on every rank, naming the devices."""
+    p = make_problem(world, seed=23)
+    buffer = make_buffer(group, world, "cuda")
+    device = "cpu" if rank == 1 else "cuda"  # all of rank 1's tensors
+    topk_idx = p.topk_idx[rank].to(device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    x = p.x[rank].to(device)
+    match = "x is on cpu; this cuda-backend Buffer moves tensors on cuda:0"
+    with pytest.raises(ValueError, match=match):
+        buffer.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
 
 
 def cuda_graph(rank: int, world: int, group) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ep_comm.config import CONTROL_BYTES, combine_slot_bytes, dispatch_slot_bytes
+from ep_comm.cuda_backend import peer_problem
 from ep_comm.extension import load_extension
 from ep_comm.testing import run_ranks
 
@@ -40,7 +41,7 @@ def test_dispatch_and_combine_in_a_cuda_graph(world):
     run_ranks(world, SCENARIOS, "cuda_graph", limit=600)
 
 
-def test_num_worst_tokens_overflow_is_reported_on_every_rank():
+def test_num_worst_tokens_overflow_poisons_until_reset_and_is_reported_on_every_rank():
     run_ranks(3, SCENARIOS, "overflow_on_gpu", limit=300)
 
 
@@ -60,3 +61,23 @@ def test_buffer_layout_constants_match_the_kernels():
         assert native.dispatch_slot_bytes(widths) == dispatch_slot_bytes(widths)
     for hidden, topk in ((256, 0), (7168, 8), (4096, 3)):
         assert native.combine_slot_bytes(hidden, topk) == combine_slot_bytes(hidden, topk)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_a_peer_past_the_timeout_poisons_outputs_and_every_rank_raises(graph):
+    run_ranks(2, SCENARIOS, "sleeping_peer", graph, limit=180)
+
+
+def test_a_host_failure_between_kernels_drains_and_recovers():
+    run_ranks(2, SCENARIOS, "allocation_fails_between_kernels", limit=180)
+
+
+def test_tensors_on_another_device_are_refused_on_every_rank():
+    run_ranks(2, SCENARIOS, "wrong_device", limit=120)
+
+
+def test_a_peer_gpu_that_is_not_visible_rules_out_the_cuda_backend():
+    mine = str(torch.cuda.get_device_properties(0).uuid)
+    assert peer_problem([mine, mine], 0) is None
+    problem = peer_problem([mine, "GPU-00000000-0000-0000-0000-000000000000"], 0)
+    assert "rank 0 cannot see rank 1's GPU GPU-00000000" in problem

@@ -101,8 +101,6 @@ def test_config_checks_and_size_hint():
 
 
 def test_buffer_rejects_modes_it_does_not_have(solo_group):
-    with pytest.raises(ValueError, match="low_latency_mode"):
-        Buffer(solo_group, low_latency_mode=True)
     with pytest.raises(ValueError, match="num_rdma_bytes"):
         Buffer(solo_group, num_rdma_bytes=1 << 20)
     if not torch.cuda.is_available():

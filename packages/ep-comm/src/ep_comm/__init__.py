@@ -5,7 +5,16 @@ from ep_comm.collectives import EPCommError
 from ep_comm.config import Config
 from ep_comm.event import EventOverlap
 from ep_comm.handle import DispatchHandle
+from ep_comm.low_latency import LowLatencyHandle
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EPCommError", "EventOverlap", "__version__"]
+__all__ = [
+    "Buffer",
+    "Config",
+    "DispatchHandle",
+    "EPCommError",
+    "EventOverlap",
+    "LowLatencyHandle",
+    "__version__",
+]

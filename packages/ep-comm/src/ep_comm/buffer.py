@@ -8,24 +8,28 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 import zlib
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ep_comm import checks
+from ep_comm import checks, cuda_backend
 from ep_comm.collectives import Collectives
 from ep_comm.config import CONTROL_BYTES, Config, recommended_config
 from ep_comm.cuda_backend import MAX_RANKS, CudaExchange
 from ep_comm.event import EventOverlap, capture
-from ep_comm.exchange import DispatchInput
+from ep_comm.exchange import DispatchInput, Exchange, last_dim
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import dispatch_layout
+from ep_comm.low_latency import LowLatencyHandle, LowLatencyMode, rdma_size_hint
 from ep_comm.streams import CommStream
 from ep_comm.torch_backend import TorchExchange
 
 BACKENDS = ("auto", "cuda", "torch")
+UUID_BYTES = 48  # a GPU UUID as text, padded
 
 
 def _why_not_cuda(num_nvl_bytes: int, num_ranks: int) -> str | None:
@@ -58,10 +62,17 @@ class Buffer:
         0 and False only.
     backend: "auto" (default, or $EP_COMM_BACKEND), "cuda" or "torch"; `Buffer.backend` says
         which runs. "auto" takes "cuda" when every rank has CUDA, all ranks are on one host,
-        there are at most 8 ranks, num_nvl_bytes leaves room for rings and the extension
-        builds; otherwise "torch".
+        there are at most 8 ranks, num_nvl_bytes leaves room for rings, the extension builds and
+        every rank can open every other rank's GPU memory (the peer's GPU visible in the
+        process, peer access between different GPUs); otherwise "torch", with a warning saying
+        why (`Buffer.why_not_cuda`).
     timeout: how long a rank waits for the others in any step (host or GPU) before raising
-        `EPCommError`; the cuda backend raises a timeout inside its kernels on the next call.
+        `EPCommError`.
+
+    Failures: a call that synchronizes with the host raises `EPCommError` on every rank. One
+    that cannot (a CUDA-graph replay, `async_finish`, a combine) poisons its outputs instead:
+    NaN values, -1 indices, `error_flag` nonzero; the next call (or `raise_if_failed`) raises
+    on every rank. A failed buffer stays failed until `reset()`.
     """
 
     num_sms: int = 20
@@ -77,10 +88,12 @@ class Buffer:
         backend: str | None = None,
         timeout: timedelta = timedelta(seconds=300),
     ) -> None:
-        if num_rdma_bytes != 0 or low_latency_mode:
+        if num_rdma_bytes < 0:
+            raise ValueError(f"num_rdma_bytes must be >= 0, got {num_rdma_bytes}")
+        if num_rdma_bytes and not low_latency_mode:
             raise ValueError(
-                "ep-comm 0.1 has the intranode normal mode only: num_rdma_bytes must be 0 and "
-                "low_latency_mode False"
+                "num_rdma_bytes > 0 needs low_latency_mode=True: ep-comm has no internode "
+                "normal mode"
             )
         if num_nvl_bytes < 0:
             raise ValueError(f"num_nvl_bytes must be >= 0, got {num_nvl_bytes}")
@@ -89,43 +102,147 @@ class Buffer:
         self.rank = group.rank()
         self.group_size = group.size()
         self.num_nvl_bytes = num_nvl_bytes
-        self.num_rdma_bytes = 0
-        self.low_latency_mode = False
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
         requested = backend or os.environ.get("EP_COMM_BACKEND", "auto")
         if requested not in BACKENDS:
             raise ValueError(f"unknown ep_comm backend {requested!r}; expected one of {BACKENDS}")
+        self.timeout = timeout
         self._comm = Collectives(group, timeout)
-        self.backend = self._choose_backend(requested, num_nvl_bytes)
-        self._impl = (
-            CudaExchange(self._comm, num_nvl_bytes, timeout)
-            if self.backend == "cuda"
-            else TorchExchange(self._comm)
-        )
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+        if low_latency_mode and num_nvl_bytes == 0:  # DeepEP's low-latency-only buffer
+            self.backend, self.why_not_cuda = "torch", "num_nvl_bytes is 0 (low-latency only)"
+        else:
+            self.backend, self.why_not_cuda = self._choose_backend(requested, num_nvl_bytes)
+        self._impl = self._exchange()
         self._streams = CommStream()
+        self.low_latency_backend = None
+        if low_latency_mode:
+            self.low_latency_backend = self._choose_low_latency_backend(requested)
+        self._low_latency = self._low_latency_mode_impl()
 
-    def _choose_backend(self, requested: str, num_nvl_bytes: int) -> str:
-        """The same answer on every rank: cuda only if it can run on all of them."""
-        reason = None if requested == "torch" else _why_not_cuda(num_nvl_bytes, self.group_size)
+    def _low_latency_mode_impl(self) -> LowLatencyMode | None:
+        if not self.low_latency_mode:
+            return None
+        backend, rdma_bytes = self.low_latency_backend, self.num_rdma_bytes
+        return LowLatencyMode(self._comm, backend, rdma_bytes, self.timeout, self._streams)
+
+    def _choose_low_latency_backend(self, requested: str) -> str:
+        """cuda (NVSHMEM) when every rank can build and load it, the same answer everywhere."""
+        reason = "the torch backend was requested" if requested == "torch" else None
+        if reason is None and not torch.cuda.is_available():
+            reason = "CUDA is not available"
+        if reason is None and self.num_rdma_bytes <= 0:
+            reason = "num_rdma_bytes is 0 (Buffer.get_low_latency_rdma_size_hint)"
+        if reason is None:
+            try:
+                from ep_comm import nvshmem
+
+                nvshmem.load()
+            except Exception as error:  # no wheel, no toolkit, a failed build: torch still works
+                reason = f"NVSHMEM is not usable here ({error})"
+        verdicts = self._comm.all_gather(
+            "Buffer(): choose the low-latency backend", torch.tensor([reason is None])
+        )
+        if bool(verdicts.all()):
+            return "cuda"
+        why = reason or "another rank cannot run it"
+        if requested == "cuda":
+            raise ValueError(f"backend 'cuda' was requested for low-latency mode but {why}")
+        if requested == "auto" and torch.cuda.is_available():
+            warnings.warn(f"ep_comm low-latency mode uses the torch backend: {why}", stacklevel=3)
+        return "torch"
+
+    def _exchange(self) -> Exchange:
+        if self.backend == "cuda":
+            return CudaExchange(self._comm, self.num_nvl_bytes, self.timeout)
+        return TorchExchange(self._comm)
+
+    def _choose_backend(self, requested: str, num_nvl_bytes: int) -> tuple[str, str | None]:
+        """The same answer on every rank, and why not cuda: cuda only if every rank can run it
+        and map every other rank's buffer."""
+        reason = (
+            "the torch backend was requested"
+            if requested == "torch"
+            else _why_not_cuda(num_nvl_bytes, self.group_size)
+        )
         host = zlib.crc32(socket.gethostname().encode())
-        local = torch.tensor([reason is None, host], dtype=torch.int64)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid) if reason is None else ""
+        local = torch.zeros(2 + UUID_BYTES // 8, dtype=torch.int64)
+        local[:2] = torch.tensor([reason is None, host])
+        local[2:] = torch.frombuffer(
+            bytearray(uuid.encode().ljust(UUID_BYTES, b"\0")), dtype=torch.int64
+        )
         everyone = self._comm.all_gather("Buffer(): choose the backend", local)
         one_host = bool((everyone[:, 1] == everyone[0, 1]).all())
-        cuda_everywhere = bool(everyone[:, 0].all()) and one_host
+        cuda_everywhere = False
+        if not one_host:
+            reason = reason or "the ranks span several hosts"
+        elif bool(everyone[:, 0].all()):
+            # every rank could run cuda; can each one open every peer's memory?
+            uuids = [bytes(row[2:].numpy().tobytes()).rstrip(b"\0").decode() for row in everyone]
+            reason = cuda_backend.peer_problem(uuids, self.rank)
+            verdicts = self._comm.all_gather(
+                "Buffer(): check peer access", torch.tensor([reason is None])
+            )
+            cuda_everywhere = bool(verdicts.all())
+        why = None if cuda_everywhere else reason or "another rank cannot run it"
         if requested == "cuda" and not cuda_everywhere:
-            why = reason or ("the ranks span several hosts" if not one_host else None)
-            why = why or "another rank cannot run it"
             raise ValueError(f"backend 'cuda' was requested but {why}")
-        return "cuda" if requested != "torch" and cuda_everywhere else "torch"
+        if requested == "auto" and not cuda_everywhere and torch.cuda.is_available():
+            warnings.warn(f"ep_comm Buffer uses the torch backend: {why}", stacklevel=3)
+        return ("cuda" if requested != "torch" and cuda_everywhere else "torch"), why
 
     def destroy(self) -> None:
-        """Free the cuda backend's buffers now (else they live until the process exits)."""
-        if self.backend == "cuda":
-            self._impl.destroy()
+        """Free the backends' memory now (else it lives until the process exits). Collective:
+        every rank calls it; no rank frees memory a peer still maps."""
+        self._impl.destroy()
+        if self._low_latency is not None:
+            self._low_latency.destroy()
+
+    def reset(self) -> None:
+        """Rebuild the backends after a failure (a timeout or an overflow poisons a buffer for
+        good): collective, every rank calls it; the processes and the group stay. CUDA graphs
+        captured with the old buffer must be captured again."""
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)  # this rank's kernels have given up or ended
+        self.destroy()
+        self._impl = self._exchange()
+        self._low_latency = self._low_latency_mode_impl()
+
+    @property
+    def error_flag(self) -> torch.Tensor | None:
+        """`[1]` int32 on the device, nonzero once a normal-mode call's outputs were poisoned
+        (the cuda backend: 1 timeout, 2 overflow); None for the torch backend, whose calls
+        raise. Low-latency mode has its own: `low_latency_error_flag`."""
+        return self._impl.error_flag
+
+    @property
+    def low_latency_error_flag(self) -> torch.Tensor:
+        """`[1]` int32, nonzero once a low-latency call's outputs were poisoned."""
+        return self._low_latency_mode().impl.error_flag
+
+    def failure(self) -> str | None:
+        """This rank's record of a failed call that could not raise, or None (no communication;
+        `raise_if_failed` tells every rank)."""
+        failures = [self._impl.failure()]
+        if self._low_latency is not None:
+            failures.append(self._low_latency.impl.failure())
+        return next((f for f in failures if f), None)
+
+    def raise_if_failed(self) -> None:
+        """Raise EPCommError on every rank if any rank's buffer failed in a call that could not
+        raise (graph replays, async calls, the last call of a step). Collective."""
+        self._comm.agree("Buffer.raise_if_failed", {}, None, self.failure())
 
     def _device_problem(self, x) -> str | None:
-        on_cuda = isinstance(x, torch.Tensor) and x.is_cuda
-        if self.backend == "cuda" and not on_cuda:
-            return "the cuda backend moves CUDA tensors; x is not on a CUDA device"
+        if not isinstance(x, torch.Tensor):
+            return None  # the argument checks name it
+        if self.backend == "cuda" and x.device != self.device:
+            return f"x is on {x.device}; this cuda-backend Buffer moves tensors on {self.device}"
+        if x.is_cuda and x.device != self.device:
+            return f"x is on {x.device}; this Buffer was built on {self.device}"
         return None
 
     @staticmethod
@@ -169,9 +286,7 @@ class Buffer:
             per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size)
             return per_rank, None, per_expert, in_rank
 
-        return self._streams.run(
-            work, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream
-        )
+        return self._run(work, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream)
 
     def dispatch(
         self,
@@ -208,50 +323,6 @@ class Buffer:
         del num_tokens_per_rdma_rank  # internode only
         config = config or self.get_dispatch_config(self.group_size)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
-        cached = handle is not None
-        problem = checks.problem_of(
-            checks.check_dispatch,
-            x,
-            x_scales,
-            handle,
-            num_tokens_per_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            self.group_size,
-            not _capturing(),
-        ) or self._device_problem(x)
-        num_experts = handle.num_experts if cached else _last_dim(num_tokens_per_expert)
-        if problem is None and self.backend == "cuda":
-            problem = self._impl.dispatch_problem(
-                x, x_scales, topk_idx, topk_weights, config, handle, num_experts
-            )
-        signature = {
-            "hidden": _last_dim(x),
-            "x dtype": str(getattr(x, "dtype", type(x).__name__)),
-            "FP8 scales": x_scales is not None,
-            "cached handle": cached,
-            "num_experts": num_experts,
-            "num_topk": _last_dim(topk_idx),
-            "num_worst_tokens": num_worst_tokens,
-            "config": repr(config),
-        }
-        self._comm.agree("dispatch: check arguments", signature, problem, self._impl.failure())
-
-        inputs = (x, x_scales, topk_idx, topk_weights)
-        if cached:
-
-            def cached_work():
-                recv_x, recv_x_scales = self._impl.dispatch_cached(x, x_scales, handle, config)
-                received = recv_x if x_scales is None else (recv_x, recv_x_scales)
-                return received, None, None, None, None
-
-            return self._streams.run(
-                cached_work, inputs, previous_event, async_finish, allocate_on_comm_stream
-            )
         inp = DispatchInput(
             x,
             x_scales,
@@ -262,21 +333,36 @@ class Buffer:
             num_tokens_per_expert,
             expert_alignment,
             num_worst_tokens,
+            handle,
         )
-
-        def work():
-            out = self._impl.dispatch(inp, config)
-            return (
-                out.recv_x if x_scales is None else (out.recv_x, out.recv_x_scales),
-                out.recv_topk_idx,
-                out.recv_topk_weights,
-                out.num_recv_tokens_per_expert,
-                out.handle,
-            )
-
-        return self._streams.run(
-            work, inputs, previous_event, async_finish, allocate_on_comm_stream
+        problem = (
+            checks.problem_of(checks.check_dispatch, inp, self.group_size, not _capturing())
+            or self._device_problem(x)
+            or self._impl.dispatch_problem(inp, config, handle)
         )
+        self._agree("dispatch: check arguments", inp.signature(config), problem)
+
+        if handle is not None:
+
+            def work():
+                recv_x, recv_x_scales = self._impl.dispatch_cached(inp, handle, config)
+                received = recv_x if x_scales is None else (recv_x, recv_x_scales)
+                return received, None, None, None, None
+
+        else:
+
+            def work():
+                out = self._impl.dispatch(inp, config)
+                return (
+                    out.recv_x if x_scales is None else (out.recv_x, out.recv_x_scales),
+                    out.recv_topk_idx,
+                    out.recv_topk_weights,
+                    out.num_recv_tokens_per_expert,
+                    out.handle,
+                )
+
+        inputs = (x, x_scales, topk_idx, topk_weights)
+        return self._run(work, inputs, previous_event, async_finish, allocate_on_comm_stream)
 
     def combine(
         self,
@@ -299,18 +385,19 @@ class Buffer:
         """
         config = config or self.get_combine_config(self.group_size)
         biases = [] if bias is None else list(bias) if isinstance(bias, tuple) else [bias]
-        problem = checks.problem_of(checks.check_combine, x, handle, topk_weights, biases)
-        problem = problem or self._device_problem(x)
-        if problem is None and self.backend == "cuda":
-            problem = self._impl.combine_problem(x, topk_weights, config, handle)
+        problem = (
+            checks.problem_of(checks.check_combine, x, handle, topk_weights, biases)
+            or self._device_problem(x)
+            or self._impl.combine_problem(x, topk_weights, config, handle)
+        )
         signature = {
-            "hidden": _last_dim(x),
+            "hidden": last_dim(x),
             "x dtype": str(getattr(x, "dtype", type(x).__name__)),
             "topk_weights given": topk_weights is not None,
             "config": repr(config),
         }
-        self._comm.agree("combine: check arguments", signature, problem, self._impl.failure())
-        return self._streams.run(
+        self._agree("combine: check arguments", signature, problem)
+        return self._run(
             lambda: self._impl.combine(x, handle, topk_weights, biases, config),
             (x, topk_weights, *biases),
             previous_event,
@@ -318,11 +405,128 @@ class Buffer:
             allocate_on_comm_stream,
         )
 
+    def _agree(self, step: str, signature: dict, problem: str | None) -> None:
+        """Raise on every rank if any rank's arguments are bad or its buffer failed earlier."""
+        self._comm.agree(step, signature, problem, self.failure())
+
+    def _run(self, work, inputs, previous_event, async_finish, allocate_on_comm_stream):
+        """`work` on the communication stream of this buffer's device, whichever is current."""
+        with torch.cuda.device(self.device) if self.device is not None else nullcontext():
+            return self._streams.run(
+                work, inputs, previous_event, async_finish, allocate_on_comm_stream
+            )
+
+    # Low-latency mode (ep_comm.low_latency)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """`num_rdma_bytes` the cuda backend's low-latency mode needs for (T, H, R, E)."""
+        return rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _low_latency_mode(self) -> LowLatencyMode:
+        if self._low_latency is None:
+            raise ValueError("this Buffer was built without low_latency_mode=True")
+        return self._low_latency
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Send each (token, k) to the rank of expert topk_idx[t, k], into fixed-shape outputs.
+
+        x: `[num_tokens, H]` bf16, num_tokens <= T = num_max_dispatch_tokens_per_rank (the same
+            T on every rank and every call), H % 128 == 0 (% 512 with use_ue8m0).
+        topk_idx: `[num_tokens, num_topk]` int64, expert ids in [0, num_experts) or -1, no expert
+            twice in a token; 1 <= num_topk <= 11.
+        cumulative_local_expert_recv_stats: `[E_local]` int32, += the rows each local expert
+            received. dispatch_wait_recv_cost_stats: `[R]` int64, += nanoseconds waited for each
+            source rank (the torch backend: the wait for the whole exchange, on every entry).
+        use_fp8: cast to e4m3 with a scale per token and 128 channels (`per_token_cast_to_fp8`;
+            round_scale: power-of-two scales; use_ue8m0: those scales as packed exponent bytes).
+        return_recv_hook: send only (on the current stream) and return `hook`, which receives
+            (on the stream current when called). Exclusive with async_finish.
+        Returns recv_x `[E_local, R * T, H]` (bf16, or e4m3 with scales `[E_local, R * T, H /
+        128]` fp32 / `[E_local, R * T, H / 512]` int32 UE8M0, token stride 1) of which the first
+        recv_count[e] rows of expert e are valid; recv_count `[E_local]` int32; the handle for
+        low_latency_combine; an EventOverlap; hook (or None).
+        """
+        return self._low_latency_mode().dispatch(
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            async_finish,
+            return_recv_hook,
+        )
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
+        """Return the experts' rows to their tokens and sum them with the top-k weights.
+
+        x: `[E_local, R * T, H]` bf16, row i of expert e the output for row i of the dispatch's
+            recv_x (rows past recv_count[e] are not read). With zero_copy, the rows are read
+            from `get_next_low_latency_combine_buffer(handle)` instead.
+        topk_idx: `[num_tokens, num_topk]` int64 and topk_weights `[num_tokens, num_topk]` fp32,
+            as dispatched. out: `[num_tokens, H]` bf16 to write into (optional).
+        combine_wait_recv_cost_stats: `[R]` int64, += nanoseconds waited per source rank.
+        use_logfmt is not supported. return_recv_hook / async_finish as in low_latency_dispatch.
+        Returns combined_x `[num_tokens, H]` bf16: sum over k of topk_weights[t, k] times expert
+        topk_idx[t, k]'s row for t, in fp32 in k order (-1 skipped), rounded to bf16 once; an
+        EventOverlap; hook (or None).
+        """
+        return self._low_latency_mode().combine(
+            x,
+            topk_idx,
+            topk_weights,
+            handle,
+            use_logfmt,
+            zero_copy,
+            async_finish,
+            return_recv_hook,
+            out,
+            combine_wait_recv_cost_stats,
+        )
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """Collective: reset the low-latency signals (after normal-mode calls, after a failure,
+        before changing T, H or E); the next low-latency calls take these values."""
+        self._low_latency_mode().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The BF16 `[E_local, R * T, H]` tensor the next low_latency_combine with zero_copy=True
+        reads its rows from."""
+        return self._low_latency_mode().next_combine_buffer(handle)
+
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _last_dim(tensor) -> int | None:
-    """The size compared across ranks; None for what is not a tensor (its rank reports that)."""
-    return int(tensor.shape[-1]) if isinstance(tensor, torch.Tensor) and tensor.dim() else None

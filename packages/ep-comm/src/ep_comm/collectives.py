@@ -33,13 +33,14 @@ class Collectives:
         if not self.through_cpu:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def _wait(self, step: str, work) -> None:
+    def wait(self, step: str, work, timeout: timedelta | None = None) -> None:
+        timeout = timeout or self.timeout
         try:
-            work.wait(timeout=self.timeout)
+            work.wait(timeout=timeout)
         except RuntimeError as error:
             raise EPCommError(
                 f"ep_comm rank {self.rank}/{self.size}: {step} failed or timed out after "
-                f"{self.timeout.total_seconds():g} s waiting for the other ranks ({error})"
+                f"{timeout.total_seconds():g} s waiting for the other ranks ({error})"
             ) from error
 
     def agree(
@@ -56,7 +57,7 @@ class Collectives:
         local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
         try:
-            self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+            self.wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
         except EPCommError as error:
             if failure is not None:  # the likelier cause
                 raise EPCommError(failure) from error
@@ -77,11 +78,15 @@ class Collectives:
                 listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
                 raise ValueError(f"{step}: ranks disagree on {key} ({listing})")
 
-    def all_gather(self, step: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`[size, *tensor.shape]`: every rank's tensor (same shape on every rank)."""
+    def all_gather(
+        self, step: str, tensor: torch.Tensor, timeout: timedelta | None = None
+    ) -> torch.Tensor:
+        """`[size, *tensor.shape]`: every rank's tensor (same shape on every rank); waits at
+        most `timeout` (default: the buffer's)."""
         local = tensor.to(self.device)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
-        self._wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+        work = dist.all_gather(gathered, local, group=self.group, async_op=True)
+        self.wait(step, work, timeout)
         return torch.stack(gathered).to(tensor.device)
 
     def all_to_all(self, step: str, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -102,5 +107,5 @@ class Collectives:
             group=self.group,
             async_op=True,
         )
-        self._wait(step, work)
+        self.wait(step, work)
         return received.to(rows.device)

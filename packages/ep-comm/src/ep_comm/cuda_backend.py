@@ -8,19 +8,22 @@ into the outputs). Combine is a barrier and one kernel that runs the rings backw
 a dispatch with a cached handle, a barrier and the dispatch kernel. Only the outputs'
 size needs the host: without `num_worst_tokens`, dispatch reads the received count after
 notify; with it, nothing waits for the GPU and the calls can be captured in a CUDA graph.
-Waits on peers inside the kernels time out; the first failure is kept in host-mapped memory and
-raised by the next call (see `failure`). csrc/layout.cuh describes the buffer.
+Waits on peers inside the kernels time out. A timeout or an overflow is kept (in the buffer for
+the kernels, in host-mapped memory for `failure`): a poison kernel after every call then fills
+its outputs with NaN (-1 for indices) and sets `error_flag`, and every later call raises until
+the buffer is rebuilt. csrc/layout.h describes the buffer.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 
-from ep_comm.collectives import Collectives
+from ep_comm.collectives import Collectives, EPCommError
 from ep_comm.config import Config, combine_slot_bytes, dispatch_slot_bytes
-from ep_comm.exchange import DispatchInput, DispatchOutput, row_bytes
+from ep_comm.exchange import DispatchInput, DispatchOutput, Exchange, row_bytes
 from ep_comm.extension import load_extension
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import aligned
@@ -37,36 +40,90 @@ STEPS = {
 }
 
 
-class CudaExchange:
+# What the poison kernel writes into a failed call's outputs, per dtype (4 bytes at a time).
+POISON = {
+    torch.bfloat16: 0x7FC07FC0,
+    torch.float32: 0x7FC00000,
+    torch.float8_e4m3fn: 0x7F7F7F7F,
+    torch.int64: 0xFFFFFFFF,
+    torch.int32: 0xFFFFFFFF,
+}
+
+
+class CudaLayout(NamedTuple):
+    # [num_ranks, num_channels] int32: rows received from each rank through each channel
+    channel_counts: torch.Tensor
+
+
+def peer_problem(device_uuids: list[str], rank: int) -> str | None:
+    """Why this rank cannot map every rank's buffer, given each rank's GPU UUID, or None: a
+    peer's GPU must be visible in this process (CUDA IPC opens it here) and, if it is not ours,
+    reachable by peer access."""
+    visible = {
+        str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
+    }
+    mine = torch.cuda.current_device()
+    for peer, uuid in enumerate(device_uuids):
+        if uuid not in visible:
+            return (
+                f"rank {rank} cannot see rank {peer}'s GPU {uuid} (CUDA_VISIBLE_DEVICES hides it)"
+            )
+        other = visible[uuid]
+        if other != mine and not torch.cuda.can_device_access_peer(mine, other):
+            return f"rank {rank}'s GPU {mine} has no peer access to GPU {other} (rank {peer})"
+    return None
+
+
+class CudaExchange(Exchange):
     def __init__(self, comm: Collectives, num_nvl_bytes: int, timeout: timedelta) -> None:
+        self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.num_nvl_bytes = num_nvl_bytes
         self.timeout = timeout.total_seconds()
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self.state = load_extension().Intranode(self.rank, self.size, num_nvl_bytes, self.timeout)
         handles = comm.all_gather("Buffer(): exchange CUDA IPC handles", self.state.ipc_handle())
         self.state.connect(list(handles))
-        self.num_device_sms = torch.cuda.get_device_properties().multi_processor_count
+        self.num_device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._error_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._host_failure: str | None = None  # one the host saw before the kernels record it
+
+    @property
+    def error_flag(self) -> torch.Tensor:
+        return self._error_flag
 
     def destroy(self) -> None:
-        self.state.destroy()
+        """No rank frees its buffer while a peer still maps it: all close their mappings, meet,
+        then free. A peer that does not come raises EPCommError and leaves the memory mapped
+        (it is freed with the process)."""
+        self.state.close_peers()  # after this rank's kernels, which give up within a timeout
+        step = "Buffer.destroy(): wait until every rank unmapped"
+        self.comm.all_gather(step, torch.zeros(1), timeout=2 * self.comm.timeout)
+        self.state.free_buffer()
 
     def failure(self) -> str | None:
-        """What went wrong in an earlier call's kernels, if anything (a timeout stays)."""
+        """What went wrong in an earlier call's kernels, if anything; it stays until the buffer
+        is rebuilt."""
+        if self._host_failure:
+            return self._host_failure
         step, peer, channel, _, received_rows, *_ = self.state.status()
         where = f"ep_comm rank {self.rank}/{self.size}"
+        rebuild = "its outputs since are NaN; rebuild the buffer (Buffer.reset() on every rank)"
         if step:
             return (
                 f"{where}: {STEPS[step]} timed out after {self.timeout:g} s waiting for rank "
-                f"{peer} (channel {channel}); this Buffer cannot be used any more: destroy it "
-                "and build a new one"
+                f"{peer} (channel {channel}); {rebuild}"
             )
         if received_rows:
-            self.state.clear_overflow()
             return (
                 f"{where}: an earlier dispatch received {received_rows} rows, more than its "
-                "num_worst_tokens; the rows past it were dropped"
+                f"num_worst_tokens, and dropped the rest; {rebuild}"
             )
         return None
+
+    def _poison(self, *outputs) -> None:
+        present = [t for t in outputs if t is not None and t.numel()]
+        self.state.poison(present, [POISON[t.dtype] for t in present], self._error_flag)
 
     def problem(self, config: Config, num_channels: int, slot_bytes: int, num_experts=0):
         """Why this call cannot run on the buffer, or None."""
@@ -87,30 +144,34 @@ class CudaExchange:
             )
         return None
 
-    def dispatch_problem(self, x, x_scales, topk_idx, topk_weights, config, handle, num_experts):
-        pieces = [t for t in (x, x_scales, topk_idx, topk_weights) if t is not None]
-        slot = dispatch_slot_bytes([row_bytes(t) for t in pieces])
-        channels = handle.channel_counts.shape[1] if handle is not None else config.num_channels
-        return self.problem(config, channels, slot, num_experts)
+    def dispatch_problem(self, inp: DispatchInput, config: Config, handle) -> str | None:
+        slot = dispatch_slot_bytes([row_bytes(t) for t in inp.sources()])
+        channels = _channels(handle) if handle is not None else config.num_channels
+        return self.problem(config, channels, slot, inp.num_experts)
 
-    def combine_problem(self, x, topk_weights, config, handle):
+    def combine_problem(self, x, topk_weights, config, handle) -> str | None:
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         slot = combine_slot_bytes(x.shape[1], num_topk)
-        return self.problem(config, handle.channel_counts.shape[1], slot)
+        return self.problem(config, _channels(handle), slot)
 
-    def _exchange(self, sources, rows, is_token_in_rank, channel_counts, config, padded):
-        """Each source's rows `[rows, ...]` as received, and their source token indices; padded:
-        rows past the received ones hold -1 (ids) or 0 (values)."""
+    def _outputs(self, sources, rows: int, padded: bool):
+        """Each source's received rows `[rows, ...]` and the source token index `[rows]`;
+        padded: rows past the received ones hold -1 (ids, indices) or 0 (values)."""
         outputs = []
         for source in sources:
-            shape, kind = (rows, *source.shape[1:]), dict(dtype=source.dtype, device=source.device)
+            shape, kind = (rows, *source.shape[1:]), dict(dtype=source.dtype, device=self.device)
             if not padded:
                 outputs.append(torch.empty(shape, **kind))
             elif source.dtype == torch.int64:  # expert ids
                 outputs.append(torch.full(shape, -1, **kind))
             else:
                 outputs.append(torch.zeros(shape, **kind))
-        recv_src_idx = torch.full((rows,), -1, dtype=torch.int32, device=is_token_in_rank.device)
+        recv_src_idx = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
+        return outputs, recv_src_idx
+
+    def _exchange(self, sources, received, is_token_in_rank, channel_counts, config, *counts):
+        """The dispatch kernel, then the poison kernel over its outputs and `counts`."""
+        outputs, recv_src_idx = received
         self.state.dispatch(
             sources,
             outputs,
@@ -120,66 +181,96 @@ class CudaExchange:
             config.num_max_nvl_chunked_recv_tokens,
             config.num_max_nvl_chunked_send_tokens,
         )
-        return outputs, recv_src_idx
+        self._poison(*outputs, recv_src_idx, *counts)
 
     def dispatch(self, inp: DispatchInput, config: Config) -> DispatchOutput:
-        device, size = inp.x.device, self.size
-        rank_counts = torch.empty(size, size, dtype=torch.int32, device=device)
-        channel_counts = torch.empty(size, config.num_channels, dtype=torch.int32, device=device)
-        expert_counts = torch.empty(inp.num_experts // size, dtype=torch.int32, device=device)
-        counts = (rank_counts, channel_counts, expert_counts)
-        self.state.notify(inp.is_token_in_rank, inp.num_tokens_per_expert, *counts)
-        worst = inp.num_worst_tokens
-        rows = worst or int(channel_counts.sum())  # the host waits for notify here, only here
-        received, recv_src_idx = self._exchange(
-            inp.sources(), rows, inp.is_token_in_rank, channel_counts, config, padded=bool(worst)
+        size, sources, worst = self.size, inp.sources(), inp.num_worst_tokens
+        kind = dict(dtype=torch.int32, device=self.device)
+        rank_counts = torch.empty(size, size, **kind)
+        channel_counts = torch.empty(size, config.num_channels, **kind)
+        expert_counts = torch.empty(inp.num_experts // size, **kind)
+        # Outputs exist before the first kernel where their size is known: a rank failing
+        # between kernels would leave its peers waiting for rows it never takes.
+        received = self._outputs(sources, worst, padded=True) if worst else None
+        self.state.notify(
+            inp.is_token_in_rank,
+            inp.num_tokens_per_expert,
+            rank_counts,
+            channel_counts,
+            expert_counts,
         )
-        out = DispatchOutput.from_rows(received, inp, self.rank, size)
+        if not worst:
+            rows = int(channel_counts.sum())  # the host waits for notify here, only here
+            # If notify failed anywhere, its counts are garbage: every rank raises here.
+            self.comm.agree("dispatch: notify", {}, None, self.failure())
+            try:
+                received = self._outputs(sources, rows, padded=False)
+            except torch.OutOfMemoryError as error:
+                # Still take part, with room for nothing: the peers' rows are dropped (an
+                # overflow, so their later outputs are poisoned) instead of waited for.
+                self._exchange(
+                    sources,
+                    self._outputs(sources, 0, False),
+                    inp.is_token_in_rank,
+                    channel_counts,
+                    config,
+                )
+                self._host_failure = (
+                    f"ep_comm rank {self.rank}/{size}: dispatch could not allocate its {rows} "
+                    f"received rows ({error}) and dropped the rest; its outputs since are "
+                    "NaN; rebuild the buffer (Buffer.reset() on every rank)"
+                )
+                raise EPCommError(self._host_failure) from error
+        counts = (rank_counts, channel_counts, expert_counts)
+        self._exchange(sources, received, inp.is_token_in_rank, channel_counts, config, *counts)
+        out = DispatchOutput.from_rows(received[0], inp, self.rank, size)
         out.num_recv_tokens_per_expert = (
             [] if worst else [aligned(c, inp.expert_alignment) for c in expert_counts.tolist()]
         )
         out.handle = DispatchHandle(
             rank_prefix_matrix=rank_counts.cumsum(dim=0, dtype=torch.int32),
-            recv_src_idx=recv_src_idx,
+            recv_src_idx=received[1],
             is_token_in_rank=inp.is_token_in_rank,
             num_experts=inp.num_experts,
             actual_num_recv_tokens=(
                 channel_counts.sum(dtype=torch.int32).reshape(1) if worst else None
             ),
-            channel_counts=channel_counts,
+            backend_layout=CudaLayout(channel_counts),
         )
         return out
 
-    def dispatch_cached(self, x, x_scales, handle: DispatchHandle, config: Config):
+    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config):
+        sources = inp.sources()
+        padded = handle.actual_num_recv_tokens is not None
+        received = self._outputs(sources, handle.recv_src_idx.shape[0], padded)
         self.state.barrier()
-        sources = [x] if x_scales is None else [x, x_scales]
-        received, _ = self._exchange(
-            sources,
-            handle.recv_src_idx.shape[0],
-            handle.is_token_in_rank,
-            handle.channel_counts,
-            config,
-            padded=handle.actual_num_recv_tokens is not None,
-        )
-        return received[0], (received[1] if x_scales is not None else None)
+        channel_counts = handle.backend_layout.channel_counts
+        self._exchange(sources, received, handle.is_token_in_rank, channel_counts, config)
+        outputs = received[0]
+        return outputs[0], (outputs[1] if inp.x_scales is not None else None)
 
     def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config):
         num_tokens = handle.is_token_in_rank.shape[0]
-        combined_x = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+        combined_x = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=self.device)
         combined_weights = None
         if topk_weights is not None:
             shape = (num_tokens, topk_weights.shape[1])
-            combined_weights = torch.empty(shape, dtype=torch.float32, device=x.device)
+            combined_weights = torch.empty(shape, dtype=torch.float32, device=self.device)
         self.state.barrier()
         self.state.combine(
             x,
             topk_weights,
             biases,
             handle.is_token_in_rank,
-            handle.channel_counts,
+            handle.backend_layout.channel_counts,
             combined_x,
             combined_weights,
             config.num_max_nvl_chunked_recv_tokens,
             config.num_max_nvl_chunked_send_tokens,
         )
+        self._poison(combined_x, combined_weights)
         return combined_x, combined_weights
+
+
+def _channels(handle: DispatchHandle) -> int:
+    return handle.backend_layout.channel_counts.shape[1]

@@ -19,7 +19,7 @@ NVCC_FLAGS = ["-O3", "-DNDEBUG", "-lineinfo"]
 
 def build_hash() -> str:
     digest = hashlib.sha256()
-    for path in sorted(CSRC.iterdir()):
+    for path in sorted(p for p in CSRC.iterdir() if p.is_file()):  # low_latency/ builds apart
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(NVCC_FLAGS).encode())
     digest.update(f"{torch.__version__} {torch.version.cuda}".encode())

@@ -20,10 +20,9 @@ class DispatchHandle(NamedTuple):
     num_experts: int
     # [1] int32 with num_worst_tokens, else None
     actual_num_recv_tokens: torch.Tensor | None
-    # torch backend: [sum of is_token_in_rank] int64, this rank's tokens in send order
-    send_token_idx: torch.Tensor | None = None
-    # cuda backend: [num_ranks, num_channels] int32, rows received from each rank per channel
-    channel_counts: torch.Tensor | None = None
+    # what only the backend that made it reads: torch_backend.TorchLayout or
+    # cuda_backend.CudaLayout
+    backend_layout: tuple
 
     def counts(self) -> torch.Tensor:
         """[src, dst] tokens sent, on the host."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ep_comm.config import SCALE_BLOCK
+from ep_comm.low_latency import per_token_cast_to_fp8 as per_token_cast_to_fp8  # re-exported
 
 
 def random_routing(
@@ -36,14 +37,6 @@ def random_routing(
     topk_idx = topk_idx.masked_fill(dropped, -1)
     topk_weights = torch.rand(num_tokens, num_topk, generator=generator, dtype=torch.float32)
     return topk_idx, topk_weights
-
-
-def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[num_tokens, hidden]` to e4m3 values and fp32 scales per 128 channels (amax / 448)."""
-    groups = x.float().view(x.shape[0], x.shape[1] // SCALE_BLOCK, SCALE_BLOCK)
-    scales = groups.abs().amax(dim=2).clamp(min=1e-4) / 448.0
-    values = (groups / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view_as(x)
-    return values, scales
 
 
 def per_token_cast_back(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

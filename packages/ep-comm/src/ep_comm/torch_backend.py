@@ -8,11 +8,13 @@ counts, which costs a host synchronization per call. It is also the tests' refer
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ep_comm.collectives import Collectives
 from ep_comm.config import Config
-from ep_comm.exchange import DispatchInput, DispatchOutput, row_bytes
+from ep_comm.exchange import DispatchInput, DispatchOutput, Exchange, row_bytes
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import aligned, rank_prefix_matrix
 
@@ -44,13 +46,31 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return padded
 
 
-class TorchExchange:
+class TorchLayout(NamedTuple):
+    # [sum of is_token_in_rank] int64: this rank's tokens in send order (by destination rank)
+    send_token_idx: torch.Tensor
+
+
+class TorchExchange(Exchange):
     def __init__(self, comm: Collectives) -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
 
     def failure(self) -> str | None:
         return None  # every failure is raised by the call it happens in
+
+    @property
+    def error_flag(self) -> None:
+        return None
+
+    def dispatch_problem(self, inp, config, handle) -> None:
+        return None
+
+    def combine_problem(self, x, topk_weights, config, handle) -> None:
+        return None
+
+    def destroy(self) -> None:
+        pass  # it holds nothing between calls
 
     def dispatch(self, inp: DispatchInput, config: Config) -> DispatchOutput:
         del config  # the cuda backend's knobs
@@ -91,13 +111,14 @@ class TorchExchange:
             actual_num_recv_tokens=(
                 torch.tensor([actual], dtype=torch.int32, device=inp.x.device) if worst else None
             ),
-            send_token_idx=token,
+            backend_layout=TorchLayout(token),
         )
         return out
 
-    def dispatch_cached(self, x, x_scales, handle: DispatchHandle, config: Config):
+    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config):
         del config
-        token = handle.send_token_idx
+        token = handle.backend_layout.send_token_idx
+        x, x_scales = inp.x, inp.x_scales
         pieces = [x[token]] + ([x_scales[token]] if x_scales is not None else [])
         step = "dispatch (cached layout): exchange tokens"
         received = _unpack(self.comm.all_to_all(step, _pack(pieces), handle.counts()), pieces)
@@ -126,7 +147,7 @@ class TorchExchange:
         # the sums are free of atomics and the same on every run, and in the cuda backend's order.
         bounds = counts[self.rank].cumsum(0).tolist()
         for begin, end in zip([0, *bounds[:-1]], bounds, strict=True):
-            token = handle.send_token_idx[begin:end]
+            token = handle.backend_layout.send_token_idx[begin:end]
             out.index_add_(0, token, returned[0][begin:end].float())
             if combined_weights is not None:
                 combined_weights.index_add_(0, token, returned[1][begin:end])

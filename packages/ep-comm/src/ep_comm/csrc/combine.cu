@@ -20,6 +20,7 @@ __device__ void return_rows(const CombineParams& p, const Group& g, int channel,
     const bool ok = send_rows(g, p.peers, p.rings, kCombineSend, channel, n, shared_ok, shared_head, writer,
                               [&](uint8_t* slot, int i) {
                                 const int64_t row = offset + done + i;
+                                if (row >= p.x_rows) return;  // dropped by an overflow: poisoned
                                 copy_row(slot, p.x + row * x_bytes, x_bytes, g.lane, 32);
                                 if (weight_bytes)
                                   copy_row(slot + p.weights_offset, p.topk_weights + row * weight_bytes, weight_bytes,
@@ -71,6 +72,7 @@ __device__ void sum_returned_rows(const CombineParams& p, int channel) {
         uint64_t* tail = tail_of(own, channel, r);
         if (lane == 0) ok = wait_until(peers, kCombineReceive, r, channel, [&] { return load_acquire(tail) > position; });
         ok = __shfl_sync(0xffffffffu, ok, 0);
+        __syncwarp();  // orders lane 0's acquire before the other lanes read the slot
         slots[r] = ring_of(own, p.rings, num_ranks, channel, r) +
                    int64_t(position % p.rings.ring_tokens) * p.rings.slot_bytes;
       }
@@ -109,6 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(CombineParams p) {
   __shared__ int shared_ok[kMaxRanks];
   __shared__ uint64_t shared_head[kMaxRanks];
   const int channel = blockIdx.x / 2;
+  if (already_failed(p.peers)) return;
   if (blockIdx.x % 2 == 1) {
     sum_returned_rows(p, channel);
     return;

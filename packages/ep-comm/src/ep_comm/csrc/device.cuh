@@ -44,6 +44,12 @@ __device__ __forceinline__ int* timed_out_flag(const Peers& peers) {
   return reinterpret_cast<int*>(peers.base[peers.rank] + kTimedOutOffset);
 }
 
+// A buffer whose wait timed out stays failed: its kernels return at once, so that a rank out of
+// step with its peers never writes into their buffers again (nor waits out another timeout).
+__device__ __forceinline__ bool already_failed(const Peers& peers) {
+  return *reinterpret_cast<volatile int*>(timed_out_flag(peers));
+}
+
 // Spin until `ready()`; false after the buffer's timeout (recorded, and said on stdout: the host
 // raises it on the next call), or soon after another wait of this buffer timed out. The status
 // the host reads is in host memory: spinning threads check a copy in device memory instead, and
@@ -71,6 +77,7 @@ __device__ bool wait_until(const Peers& peers, Step step, int peer, int channel,
 
 __device__ __forceinline__ void record_overflow(const Peers& peers, int64_t received_rows) {
   atomicMax(peers.status + kStatusReceivedRows, static_cast<int>(received_rows));
+  atomicExch(reinterpret_cast<int*>(peers.base[peers.rank] + kOverflowedOffset), 1);
 }
 
 // Copy `bytes` (a multiple of 4; of 16 for the wide path) with `lanes` threads; ring-side reads

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(DispatchParams p)
   __shared__ int shared_ok[kMaxRanks];
   __shared__ uint64_t shared_counter[kMaxRanks];  // a head (senders), rows available (receivers)
   const Group g = group_of_this_thread(p.peers.num_ranks);
-  if (g.peer >= p.peers.num_ranks) return;
+  if (g.peer >= p.peers.num_ranks || already_failed(p.peers)) return;
   const int channel = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
     send_tokens(p, g, channel, shared_ok + g.peer, shared_counter + g.peer);

@@ -1,6 +1,7 @@
 // Host side of the cuda backend: the IPC buffers, the status word, and the kernels' launches.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
@@ -25,6 +26,7 @@ Intranode::Intranode(int64_t rank, int64_t num_ranks, int64_t num_bytes, double 
   peers_.rank = static_cast<int>(rank);
   peers_.num_ranks = static_cast<int>(num_ranks);
   peers_.timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  C10_CUDA_CHECK(cudaGetDevice(&device_));
   C10_CUDA_CHECK(cudaMalloc(&buffer_, num_bytes));
   C10_CUDA_CHECK(cudaMemset(buffer_, 0, num_bytes));
   C10_CUDA_CHECK(cudaHostAlloc(&status_, kStatusInts * sizeof(int), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -59,15 +61,22 @@ void Intranode::connect(const std::vector<at::Tensor>& handles) {
   connected_ = true;
 }
 
-void Intranode::destroy() {
-  if (buffer_ == nullptr) return;
+void Intranode::close_peers() {
+  if (!connected_) return;
+  c10::cuda::CUDAGuard guard(device_);
   C10_CUDA_CHECK(cudaDeviceSynchronize());
-  for (int r = 0; connected_ && r < peers_.num_ranks; ++r)
+  for (int r = 0; r < peers_.num_ranks; ++r)
     if (r != peers_.rank) C10_CUDA_CHECK(cudaIpcCloseMemHandle(peers_.base[r]));
+  connected_ = false;
+}
+
+void Intranode::free_buffer() {
+  if (buffer_ == nullptr) return;
+  TORCH_CHECK(!connected_, "close_peers() first");
+  c10::cuda::CUDAGuard guard(device_);
   C10_CUDA_CHECK(cudaFree(buffer_));
   C10_CUDA_CHECK(cudaFreeHost(status_));
   buffer_ = nullptr;
-  connected_ = false;
 }
 
 std::vector<int64_t> Intranode::status() const {
@@ -76,8 +85,6 @@ std::vector<int64_t> Intranode::status() const {
   for (int i = 0; i < kStatusInts; ++i) values[i] = status[i];
   return values;
 }
-
-void Intranode::clear_overflow() { status_[kStatusReceivedRows] = 0; }
 
 int64_t Intranode::dispatch_slot_bytes(const std::vector<int64_t>& row_bytes) {
   int64_t slot = 16;  // the source token index
@@ -100,6 +107,7 @@ Rings Intranode::rings(int64_t num_channels, int64_t ring_tokens, int64_t send_c
 }
 
 void Intranode::barrier() {
+  c10::cuda::CUDAGuard guard(device_);
   rings(1, 1, 1, 0);
   launch_barrier(peers_, c10::cuda::getCurrentCUDAStream());
 }
@@ -113,6 +121,7 @@ void Intranode::notify(const at::Tensor& is_token_in_rank, const at::Tensor& num
   TORCH_CHECK(peers_.num_ranks + num_channels + num_experts / peers_.num_ranks <= kNotifySlots,
               "too many channels and experts per rank for the notify area");
   rings(num_channels, 1, 1, 0);
+  c10::cuda::CUDAGuard guard(device_);
   NotifyParams p{};
   p.peers = peers_;
   p.is_token_in_rank = is_token_in_rank.data_ptr<bool>();
@@ -155,6 +164,7 @@ void Intranode::dispatch(const std::vector<at::Tensor>& sources, const std::vect
   p.num_tokens = static_cast<int>(is_token_in_rank.size(0));
   p.recv_src_idx = recv_src_idx.data_ptr<int32_t>();
   p.capacity = recv_src_idx.numel();
+  c10::cuda::CUDAGuard guard(device_);
   launch_dispatch(p, c10::cuda::getCurrentCUDAStream());
 }
 
@@ -189,9 +199,31 @@ void Intranode::combine(const at::Tensor& x, const c10::optional<at::Tensor>& to
   p.channel_counts = channel_counts.data_ptr<int>();
   p.num_tokens = static_cast<int>(is_token_in_rank.size(0));
   p.x = static_cast<const uint8_t*>(x.data_ptr());
+  p.x_rows = x.size(0);
   p.combined_x = static_cast<uint8_t*>(combined_x.data_ptr());
   p.weights_offset = aligned16(int64_t(p.hidden) * 2);
+  c10::cuda::CUDAGuard guard(device_);
   launch_combine(p, c10::cuda::getCurrentCUDAStream());
+}
+
+void Intranode::poison(const std::vector<at::Tensor>& outputs, const std::vector<int64_t>& patterns,
+                       at::Tensor& error_flag) {
+  TORCH_CHECK(outputs.size() == patterns.size() && outputs.size() <= kMaxPoisoned, "1 to ", kMaxPoisoned,
+              " outputs, one pattern each");
+  check_cuda(error_flag, "error_flag", at::kInt);
+  TORCH_CHECK(buffer_ != nullptr, "the buffer was destroyed");
+  PoisonParams p{};
+  p.own = static_cast<const uint8_t*>(buffer_);
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    const at::Tensor& t = outputs[o];
+    const int64_t bytes = t.numel() * t.element_size();
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous() && bytes % 4 == 0, "poisoned outputs: contiguous CUDA, 4-byte units");
+    p.outputs[o] = Poisoned{static_cast<uint8_t*>(t.data_ptr()), bytes, static_cast<uint32_t>(patterns[o])};
+  }
+  p.num_outputs = static_cast<int>(outputs.size());
+  p.error_flag = error_flag.data_ptr<int>();
+  c10::cuda::CUDAGuard guard(device_);
+  launch_poison(p, c10::cuda::getCurrentCUDAStream());
 }
 
 }  // namespace ep_comm

@@ -11,17 +11,25 @@ namespace ep_comm {
 
 class Intranode {
  public:
-  // Allocates `num_bytes` of zeroed device memory; `connect` maps the peers' buffers.
+  // Allocates `num_bytes` of zeroed memory on the current device; `connect` maps the peers'
+  // buffers. Every launch runs on that device, whichever is current.
   Intranode(int64_t rank, int64_t num_ranks, int64_t num_bytes, double timeout_s);
   at::Tensor ipc_handle() const;  // 64 bytes, CPU uint8
   void connect(const std::vector<at::Tensor>& handles);
-  void destroy();
+  // Destroying is collective (Python): every rank closes its mappings of the peers' buffers,
+  // then, once all have, frees its own.
+  void close_peers();
+  void free_buffer();
 
   std::vector<int64_t> status() const;  // see kStatusInts
 
   // Wait (on the GPU) until every rank has finished its previous call; notify does it itself.
   void barrier();
-  void clear_overflow();
+
+  // After a failure of this buffer (a timeout or an overflow, now or earlier): fill `outputs`
+  // (contiguous CUDA tensors of a multiple of 4 bytes; `patterns` their 4-byte fill: NaN, -1)
+  // and set error_flag [1] int32. Otherwise nothing. Enqueued after every call's kernels.
+  void poison(const std::vector<at::Tensor>& outputs, const std::vector<int64_t>& patterns, at::Tensor& error_flag);
 
   static int64_t control_bytes() { return kControlBytes; }
   static int64_t dispatch_slot_bytes(const std::vector<int64_t>& row_bytes);
@@ -55,6 +63,7 @@ class Intranode {
   void* buffer_ = nullptr;
   int* status_ = nullptr;
   bool connected_ = false;
+  int device_;
 };
 
 }  // namespace ep_comm

@@ -26,7 +26,8 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 
 constexpr int64_t kBarrierCounterOffset = 0;
-constexpr int64_t kTimedOutOffset = 64;
+constexpr int64_t kTimedOutOffset = 64;   // int, set once a wait timed out
+constexpr int64_t kOverflowedOffset = 68;  // int, set once a dispatch dropped rows
 constexpr int64_t kFlagsOffset = 128;
 constexpr int64_t kNotifyOffset = 1024;
 constexpr int64_t kCountersOffset = kNotifyOffset + int64_t(kMaxRanks) * kNotifySlots * 4;
@@ -41,9 +42,11 @@ enum Step : int {
   kCombineReceive = 6
 };
 
-// Host-mapped status of a buffer. A timeout is final (counters are left mid-call): [0] its Step,
-// [1] the peer waited for, [2] the channel. An overflow (more rows than the outputs hold; the
-// extra rows are dropped, the call completes): [4] rows that arrived.
+// Host-mapped status of a buffer, for the host's messages. A timeout is final (counters are left
+// mid-call): [0] its Step, [1] the peer waited for, [2] the channel. An overflow (more rows than
+// the outputs hold; the extra rows are dropped, the call completes): [4] the most rows that
+// arrived. Either also sets its flag in the buffer (device memory), which the poison kernel
+// after every call reads: from then on every call's outputs are NaN, until the buffer is rebuilt.
 constexpr int kStatusInts = 8;
 constexpr int kStatusReceivedRows = 4;
 
@@ -105,7 +108,8 @@ struct CombineParams {
   int num_tokens;
   int hidden;
   int num_topk;                         // 0 without weights
-  const uint8_t* x;                     // [received rows, hidden] bf16
+  const uint8_t* x;                     // [x_rows, hidden] bf16
+  int64_t x_rows;                       // rows of x: more arrived only after an overflow
   const uint8_t* topk_weights;          // [received rows, num_topk] fp32
   const uint8_t* bias[2];               // [num_tokens, hidden] bf16 or null
   uint8_t* combined_x;                  // out [num_tokens, hidden] bf16
@@ -113,7 +117,25 @@ struct CombineParams {
   int64_t weights_offset;               // in the slot
 };
 
+// An output the poison kernel overwrites after a failure: `bytes` (a multiple of 4) at `data`,
+// every 4 bytes set to `pattern` (NaN for floating point, -1 for indices).
+struct Poisoned {
+  uint8_t* data;
+  int64_t bytes;
+  uint32_t pattern;
+};
+
+constexpr int kMaxPoisoned = 8;
+
+struct PoisonParams {
+  const uint8_t* own;  // this rank's buffer: its timed-out and overflowed flags
+  Poisoned outputs[kMaxPoisoned];
+  int num_outputs;
+  int* error_flag;  // out [1]: 1 after a timeout, 2 after an overflow (kept once set)
+};
+
 void launch_barrier(const Peers& peers, cudaStream_t stream);
+void launch_poison(const PoisonParams& params, cudaStream_t stream);
 void launch_notify(const NotifyParams& params, cudaStream_t stream);
 void launch_dispatch(const DispatchParams& params, cudaStream_t stream);
 void launch_combine(const CombineParams& params, cudaStream_t stream);

@@ -36,7 +36,9 @@ __device__ bool barrier(const Peers& peers, Step step) {
   return all_arrived;
 }
 
-__global__ void barrier_kernel(Peers peers) { barrier(peers, kBarrier); }
+__global__ void barrier_kernel(Peers peers) {
+  if (!already_failed(peers)) barrier(peers, kBarrier);
+}
 
 __global__ void __launch_bounds__(kThreads, 1) notify_kernel(NotifyParams p) {
   __shared__ int sent[kMaxRanks][kMaxChannels];
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1) notify_kernel(NotifyParams p) {
   const int num_ranks = peers.num_ranks, num_channels = p.num_channels, rank = peers.rank;
   const int experts_per_rank = p.num_experts / num_ranks;
   uint8_t* own = peers.base[rank];
+  if (already_failed(peers)) return;
 
   for (int i = threadIdx.x; i < num_ranks * num_channels; i += kThreads) {
     const int dst = i / num_channels, channel = i % num_channels;
@@ -85,6 +88,23 @@ __global__ void __launch_bounds__(kThreads, 1) notify_kernel(NotifyParams p) {
       n += __ldcg(notify_area(own, source) + num_ranks + num_channels + e);
     p.expert_counts[e] = n;
   }
+}
+
+// One block; without a failure it reads two flags and returns.
+__global__ void poison_kernel(PoisonParams p) {
+  const int timed_out = *reinterpret_cast<const volatile int*>(p.own + kTimedOutOffset);
+  const int overflowed = *reinterpret_cast<const volatile int*>(p.own + kOverflowedOffset);
+  if (!timed_out && !overflowed) return;
+  if (threadIdx.x == 0) *p.error_flag = timed_out ? 1 : 2;
+  for (int o = 0; o < p.num_outputs; ++o) {
+    uint32_t* words = reinterpret_cast<uint32_t*>(p.outputs[o].data);
+    for (int64_t i = threadIdx.x; i < p.outputs[o].bytes / 4; i += blockDim.x) words[i] = p.outputs[o].pattern;
+  }
+}
+
+void launch_poison(const PoisonParams& params, cudaStream_t stream) {
+  poison_kernel<<<1, kThreads, 0, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_barrier(const Peers& peers, cudaStream_t stream) {
