@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import ref_server.model as M
-from ref_server.model import StepBatch
+from ref_server.model import SamplingParams, StepBatch
 
 
 def expert_parallel_matches_one_process(
@@ -18,6 +18,9 @@ def expert_parallel_matches_one_process(
     one = M.from_pretrained(path, dtype=torch.bfloat16, device=device)
     if device == "cuda":
         assert ep.layers[1].mlp.expert_parallel.buffer.backend == "cuda"
+    # hidden_size 64: decode keeps the normal mode
+    assert not ep.expert_parallel.use_low_latency(8, ep.args.num_experts_per_tok)
+    assert ep.expert_parallel.why_not_low_latency == "hidden_size 64 is not a multiple of 128"
     moe = ep.layers[1].mlp
     assert moe.experts.gate_up_proj.shape[0] == 8 // world and moe.first_expert == rank * 8 // world
     g = torch.Generator().manual_seed(100 + rank)
@@ -147,3 +150,245 @@ def two_batch_graphs_match_eager(rank: int, world: int, group, path: str) -> Non
         if b:
             assert torch.equal(got, eager[:b])
             assert torch.isfinite(got).all()
+
+
+def low_latency_decode_matches_the_normal_mode(
+    rank: int, world: int, group, path: str, device: str = "cpu"
+) -> None:
+    """Decode steps through ep_comm's low-latency mode (rank r decodes 3 + r sequences) give
+    the logits of the normal mode within bf16 rounding (the two sum a token's expert rows in
+    different orders), and of one process holding every expert; two microbatches overlapped
+    give those of one batch within that rounding too. Then rank 0 prefills and decodes alone (a decode
+    batch within T goes low-latency by default) while the others run idle steps, in one batch
+    and in two."""
+    from overlap_sched.split import split_decode
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ep = M.from_pretrained(path, dtype=dtype, device=device, group=group)
+    one = M.from_pretrained(path, dtype=dtype, device=device)
+    expert_parallel = ep.expert_parallel
+    assert not expert_parallel.low_latency
+    assert expert_parallel.use_low_latency(6, ep.args.num_experts_per_tok)
+    assert expert_parallel.max_decode_tokens == 8  # rounded up to a multiple of 4
+    want_backend = "cuda" if device == "cuda" else "torch"
+    assert expert_parallel.buffer.low_latency_backend == want_backend
+    g = torch.Generator().manual_seed(50 + rank)
+    lengths = [int(n) for n in torch.randint(1, 90, (3 + rank,), generator=g)]
+    table = torch.arange(2 * len(lengths), dtype=torch.int32).view(-1, 2)
+    ids = torch.randint(2, 300, (sum(lengths),), generator=g).to(device)
+    prompt = StepBatch(ids, lengths, lengths, table)
+    decodes = [
+        StepBatch(
+            torch.randint(2, 300, (len(lengths),), generator=g).to(device),
+            [1] * len(lengths),
+            [n + 1 + i for n in lengths],
+            table,
+        )
+        for i in range(2)
+    ]
+
+    def run(model, low_latency=None, two_batches=False):
+        cache = M.PagedKVCache(model.args, 2 * len(lengths), 64, device=device)
+        model.forward_step(prompt, cache)
+        return [
+            model.forward_step(
+                batch, cache, split_decode(batch.context_lens) if two_batches else None, low_latency
+            )
+            for batch in decodes
+        ]
+
+    def close(got, want) -> None:  # the exchange rounds each expert's rows to bf16
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    normal, low_latency = run(ep, low_latency=False), run(ep, low_latency=True)
+    two_batches, alone = run(ep, two_batches=True), run(one)
+    for step in range(len(decodes)):
+        close(low_latency[step], normal[step])
+        close(low_latency[step], alone[step])
+        close(two_batches[step], low_latency[step])
+
+    for schedule in (None, "decode"):
+        cache = M.PagedKVCache(ep.args, 2 * len(lengths), 64, device=device)
+        if rank == 0:
+            ep.forward_step(prompt, cache)
+            split = split_decode(decodes[0].context_lens) if schedule else None
+            got = ep.forward_step(decodes[0], cache, split)
+            close(got, low_latency[0])
+        else:
+            ep.idle_step(cache)
+            ep.idle_step(cache, schedule, low_latency=True)
+
+
+def in_step(engine, group, prompts: list[list[int]], params) -> list[list[int]]:
+    """engine.generate on every rank of group at once: each steps until no rank has work."""
+    import torch.distributed as dist
+
+    seqs = [engine.add(p, params) for p in prompts]
+    while True:
+        busy = torch.tensor([engine.has_work()], dtype=torch.int64)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
+        if not busy.item():
+            return [seq.completion for seq in seqs]
+        engine.step()
+
+
+def engines_decode_low_latency(rank: int, world: int, group, path: str) -> None:
+    """Engines of an expert-parallel model set up the low-latency mode for their scheduler's
+    max_num_seqs and decode through it, two-batch off and on (rank 0 has fewer prompts: it runs
+    idle steps at the end): the tokens of one process holding every expert."""
+    from overlap_sched.gating import Thresholds
+    from ref_server.engine import Engine, SchedulerConfig
+
+    ep = M.from_pretrained(path, group=group)
+    one = M.from_pretrained(path)
+    config = SchedulerConfig(num_blocks=32, block_size=16, max_num_seqs=6, max_model_len=256)
+    prompts = [list(range(3 + rank, 3 + rank + n)) for n in (5, 17, 40, 9)[: 1 + 2 * rank]]
+    params = SamplingParams(max_tokens=8)
+    want = Engine(one, config).generate(prompts, params)
+    for two_batch in ("off", "on"):
+        engine = Engine(ep, config, two_batch=two_batch, thresholds=Thresholds(2, 2))
+        assert ep.expert_parallel.max_decode_tokens == 8
+        assert in_step(engine, group, prompts, params) == want
+
+
+def fail_once(buffer, message: str) -> None:
+    """The buffer's next failure() reports `message` (a failure that could not raise, as an
+    interrupted graph replay leaves), then it reports its own again."""
+    own = buffer.failure
+
+    def failure():
+        buffer.failure = own
+        return message
+
+    buffer.failure = failure
+
+
+def a_failed_exchange_is_rebuilt(rank: int, world: int, group, path: str, device: str = "cpu"):
+    """Engine loops of an expert-parallel instance, every rank with requests in flight: when
+    rank 1's buffer reports a failure, every rank ends its requests with an error, rebuilds the
+    exchange (re-capturing its decode graphs) and serves the same prompts again as before.
+    When the rebuild fails, the loops stop and report it (on_failure: NOT_SERVING)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from ref_server.engine import Engine, FinishReason, SchedulerConfig
+    from ref_server.services.engine_loop import EngineLoop
+
+    barrier = dist.new_group(backend="gloo")  # the test's own, beside the loops' group
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    ep = M.from_pretrained(path, dtype=dtype, device=device, group=group)
+    config = SchedulerConfig(num_blocks=32, block_size=16, max_num_seqs=4, max_model_len=256)
+    engine = Engine(ep, config, two_batch="off")
+    assert ep.expert_parallel.low_latency
+    graphs = engine.runner.decode_graphs
+    assert (graphs is not None) == (device == "cuda")
+    out_of_service = threading.Event()
+    loop = EngineLoop(engine, group=group, on_failure=out_of_service.set)
+    prompts = [list(range(3 + rank, 3 + rank + n)) for n in (6, 21)]
+    params = SamplingParams(max_tokens=32)
+
+    def wait_until(condition, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert time.monotonic() < deadline, f"rank {rank}: not within 120 s: {what}"
+            time.sleep(0.01)
+
+    def start(name: str) -> tuple[dict, dict]:
+        tokens, ends = {}, {}
+        for i, prompt in enumerate(prompts):
+            request_id = f"{name}-{i}"
+            tokens[request_id] = []
+
+            def sink(event, request_id=request_id):
+                if event[0] == "token":
+                    tokens[request_id].append(event[1])
+                else:
+                    ends[request_id] = event
+
+            add = lambda e, p=prompt, r=request_id: e.add(p, params, r)  # noqa: E731
+            loop.open(request_id, add, sink).result(timeout=60)
+        return tokens, ends
+
+    def fail_while_running(name: str) -> tuple[dict, dict]:
+        tokens, ends = start(name)
+        wait_until(lambda: all(tokens.values()), "a token for every request")
+        dist.barrier(group=barrier)  # every rank's requests are running
+        if rank == 1:
+            loop.submit(lambda e: fail_once(e.model.expert_parallel.buffer, "injected")).result()
+        wait_until(lambda: len(ends) == len(prompts), "every request ended")
+        return tokens, ends
+
+    before, ends = start("before")
+    wait_until(lambda: len(ends) == len(prompts), "every request ended")
+    assert all(end == ("done", FinishReason.LENGTH) for end in ends.values()), ends
+
+    failed, ends = fail_while_running("failed")
+    for request_id, (kind, message) in ends.items():
+        assert kind == "error" and "expert-parallel exchange failed" in message, message
+        assert "injected" in message
+        completion = failed[request_id]
+        assert completion == before[request_id.replace("failed", "before")][: len(completion)]
+    assert loop.failure is None and (graphs is None or engine.runner.decode_graphs is not graphs)
+
+    after, ends = start("after")
+    wait_until(lambda: len(ends) == len(prompts), "every request ended")
+    assert all(end == ("done", FinishReason.LENGTH) for end in ends.values()), ends
+    if device == "cpu":  # float32 on the CPU: a token's result does not depend on its batch
+        assert list(after.values()) == list(before.values())
+
+    def cannot_reset():
+        raise RuntimeError("the new buffer could not be built")
+
+    loop.submit(lambda e: setattr(e.model.expert_parallel, "reset", cannot_reset)).result()
+    _, ends = fail_while_running("lost")
+    assert all(kind == "error" for kind, _ in ends.values()), ends
+    assert out_of_service.wait(timeout=60)
+    assert loop.failure.startswith("rebuilding the expert-parallel exchange failed")
+    assert isinstance(loop.submit(lambda e: None).exception(timeout=10), RuntimeError)
+    loop.stop()
+
+
+def low_latency_graphs_match_eager(rank: int, world: int, group, path: str) -> None:
+    """Decode graphs of an expert-parallel model whose exchange goes low-latency through
+    ep_comm's cuda backend, two microbatches from 2 sequences up: rank r decodes r + 2
+    sequences and the last rank none; all replay the bucket of the largest, the last with
+    padding rows only. Each rank's logits equal the same step run eagerly (the graph's static
+    inputs through `run_step`, low-latency too) within bf16 rounding, and pick the same tokens;
+    after `reset` the graphs are captured again and replay the same."""
+    ep = M.from_pretrained(path, dtype=torch.bfloat16, device="cuda", group=group)
+    expert_parallel = ep.expert_parallel
+    assert expert_parallel.use_low_latency(8, ep.args.num_experts_per_tok)
+    assert expert_parallel.capturable and expert_parallel.buffer.low_latency_backend == "cuda"
+    cache = M.PagedKVCache(ep.args, 16, 64, device="cuda")
+    g = torch.Generator().manual_seed(80 + rank)
+    for layer in cache.layers:
+        layer[:-1].copy_(torch.randn(layer[:-1].shape, generator=g).to(layer.dtype))
+    counts = [r + 2 for r in range(world - 1)] + [0]
+    b = counts[rank]
+    tables = torch.randperm(16, generator=g)[: b * 2].view(b, 2).int()
+    context = torch.randint(1, 128, (b,), generator=g).tolist()
+    ids = torch.randint(2, 300, (b,), generator=g).cuda()
+    replays = []
+    for _ in range(2):  # captured, then captured again over a reset buffer
+        graphs = M.DecodeGraphs(ep, cache, max_batch=8, max_blocks=2, two_batch_from=2)
+        assert graphs.low_latency and graphs.num_worst_tokens[8] == 0
+        bucket = graphs.bucket(max(counts))
+        assert graphs.two_batch[bucket]
+        if b:
+            got = graphs(StepBatch(ids, [1] * b, context, tables), bucket).clone()
+        else:
+            graphs.idle(bucket)
+        eager = ep.run_step(graphs.step_inputs(bucket), cache, "decode", low_latency=True)
+        expert_parallel.raise_if_failed()
+        if b:
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, eager[:b], rtol=2e-2, atol=2e-2)
+            assert torch.equal(got.argmax(-1), eager[:b].argmax(-1))
+            replays.append(got)
+        del graphs
+        expert_parallel.reset()
+    if b:
+        torch.testing.assert_close(replays[1], replays[0], rtol=2e-2, atol=2e-2)

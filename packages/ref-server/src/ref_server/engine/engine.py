@@ -112,6 +112,14 @@ class Engine:
             return []  # waiting for held or reserved pages to be freed
         return self.scheduler.advance(step, self.runner.run(step))
 
+    def rebuild_exchange(self) -> list[Sequence]:
+        """After an expert-parallel exchange failed (`ep_comm.EPCommError` from `step`, on
+        every rank): rebuild it, every rank together. The failed step's sequences cannot go
+        on (their pages hold what it computed): they are aborted and returned."""
+        aborted = [self.abort(seq.request_id) for seq in list(self.scheduler.running)]
+        self.runner.rebuild_exchange()
+        return aborted
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (tests and offline use)."""
         seqs = [self.add(p, params) for p in prompts]

@@ -2,15 +2,22 @@
 
 `run(step)` prepares the step's `StepBatch` and runs it as one batch or, with two-batch overlap,
 as two microbatches whose expert-parallel exchanges overlap each other's compute
-(overlap_sched). Every rank of an expert-parallel instance takes the same decision each step,
-including a rank without sequences (`idle`), which still runs every exchange.
+(overlap_sched), or replays a decode step from CUDA graphs. The ranks of an expert-parallel
+instance must run the same kind of step at the same time: each step they agree on a `StepPlan`
+(`plan`, one all_gather), and a rank without sequences (`idle`) takes its share of it. A decode
+step's exchanges go through ep_comm's low-latency mode, which graphs can capture; prefill's
+through its normal mode. After every expert-parallel step the ranks check together that no
+exchange failed (`ExpertParallel.raise_if_failed`) before any token leaves.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from overlap_sched.gating import Thresholds, agree, wants_overlap
+import torch
+import torch.distributed as dist
+
+from overlap_sched.gating import MODES, Thresholds, wants_overlap
 from overlap_sched.split import split_decode, split_prefill
 from ref_server.engine.scheduler import SchedulerConfig, Step
 from ref_server.model.cache import PagedKVCache
@@ -19,6 +26,17 @@ from ref_server.model.sampling import sample
 from ref_server.model.step import StepBatch
 
 TWO_BATCH_MODES = ("auto", "on", "off")
+IDLE = -1  # a rank's vote without sequences; else the index of its batch's mode in MODES
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank of an instance runs this step."""
+
+    schedule: str  # "decode" when every rank with sequences decodes, else "prefill"
+    two_batch: bool  # two microbatches overlapped
+    low_latency: bool  # the MoE exchanges go through ep_comm's low-latency mode
+    bucket: int | None  # the decode graph every rank replays; None: an eager step
 
 
 class ModelRunner:
@@ -36,22 +54,37 @@ class ModelRunner:
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
+        self.config = config
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(
             model.args, config.num_blocks, config.block_size, cache_dtype, self.device
         )
-        self.two_batch = two_batch == "on" or (two_batch == "auto" and bool(model.expert_parallel))
+        self.expert_parallel = model.expert_parallel
+        self.two_batch = two_batch == "on" or (two_batch == "auto" and bool(self.expert_parallel))
         self.thresholds = thresholds or Thresholds()
-        self.group = model.expert_parallel.group if model.expert_parallel else None
-        self.decode_graphs = None
-        if self.device.type == "cuda" and not model.expert_parallel:
-            self.decode_graphs = DecodeGraphs(
-                model,
-                self.cache,
-                max_batch=config.max_num_seqs,
-                max_blocks=-(-config.max_model_len // config.block_size),
-                two_batch_from=self.thresholds.decode if self.two_batch else None,
+        self.group = self.expert_parallel.group if self.expert_parallel else None
+        if self.expert_parallel:  # a decode microbatch holds at most max_num_seqs tokens
+            self.expert_parallel.use_low_latency(
+                config.max_num_seqs, model.args.num_experts_per_tok
             )
+        self.decode_graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange
+        goes low-latency through ep_comm's cuda backend (up to its T sequences)."""
+        ep, config = self.expert_parallel, self.config
+        if self.device.type != "cuda" or (ep and not (ep.low_latency and ep.capturable)):
+            return None
+        max_batch = config.max_num_seqs
+        if ep:
+            max_batch = min(max_batch, ep.max_decode_tokens)
+        return DecodeGraphs(
+            self.model,
+            self.cache,
+            max_batch=max_batch,
+            max_blocks=-(-config.max_model_len // config.block_size),
+            two_batch_from=self.thresholds.decode if self.two_batch else None,
+        )
 
     def prepare(self, step: Step) -> StepBatch:
         ids, context = [], []
@@ -66,12 +99,73 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, step: Step) -> list[int | None]:
         """The token sampled for each sequence whose chunk reaches its last token (None for
-        chunks that end inside the tokens still to compute)."""
+        chunks that end inside the tokens still to compute). EPCommError, on every rank, when
+        an exchange of the step failed: then nothing was sampled."""
         batch = self.prepare(step)
-        if self.decode_graphs and batch.is_decode:
-            logits = self.decode_graphs(batch)
+        plan = self.plan(batch)
+        if plan.bucket:
+            logits = self.decode_graphs(batch, plan.bucket)
         else:
-            logits = self.model.forward_step(batch, self.cache, self._split(batch))
+            split = self._split(batch) if plan.two_batch else None
+            logits = self.model.forward_step(batch, self.cache, split, plan.low_latency)
+        sampled = self._sample(step, logits)
+        self._check_exchange()
+        return sampled
+
+    @torch.no_grad()
+    def idle(self) -> None:
+        """A step without sequences: an expert-parallel rank's share of its peers' step, as
+        they planned it (nothing when no rank has sequences)."""
+        plan = self.plan(None)
+        if plan is None:
+            return
+        if plan.bucket:
+            self.decode_graphs.idle(plan.bucket)
+        else:
+            schedule = plan.schedule if plan.two_batch else None
+            self.model.idle_step(self.cache, schedule, low_latency=plan.low_latency)
+        self._check_exchange()
+
+    def plan(self, batch: StepBatch | None) -> StepPlan | None:
+        """How every rank runs this step, from one all_gather of each rank's (mode, tokens,
+        whether it wants two microbatches); batch None: this rank has no sequences. None when
+        no rank has any. Two microbatches run only if every rank with sequences wants them in
+        the same mode; a decode graph replays when every rank decodes within the captured
+        sizes (the bucket of the largest batch)."""
+        vote = [IDLE, 0, 0]
+        if batch is not None:
+            mode = "decode" if batch.is_decode else "prefill"
+            wants = self.two_batch and wants_overlap(batch.num_tokens, mode, self.thresholds)
+            vote = [MODES.index(mode), batch.num_tokens, int(wants)]
+        votes = [v for v in self._all_gather(vote) if v[0] != IDLE]
+        if not votes:
+            return None
+        modes = {MODES[v[0]] for v in votes}
+        schedule = "decode" if modes == {"decode"} else "prefill"
+        two_batch = len(modes) == 1 and all(v[2] for v in votes)
+        tokens = max(v[1] for v in votes)
+        ep, graphs = self.expert_parallel, self.decode_graphs
+        low_latency = schedule == "decode" and bool(ep) and ep.low_latency_fits(tokens)
+        bucket = None
+        if schedule == "decode" and graphs and tokens <= graphs.buckets[-1]:
+            bucket = graphs.bucket(tokens)
+        return StepPlan(schedule, two_batch, low_latency, bucket)
+
+    def _all_gather(self, vote: list[int]) -> list[list[int]]:
+        if self.group is None:
+            return [vote]
+        on_cuda = dist.get_backend(self.group) == dist.Backend.NCCL
+        mine = torch.tensor(vote, device=self.device if on_cuda else "cpu")
+        every = [torch.empty_like(mine) for _ in range(self.group.size())]
+        dist.all_gather(every, mine, group=self.group)
+        return torch.stack(every).tolist()
+
+    def _split(self, batch: StepBatch):
+        if batch.is_decode:
+            return split_decode(batch.context_lens)
+        return split_prefill(batch.query_lens, batch.context_lens)
+
+    def _sample(self, step: Step, logits: torch.Tensor) -> list[int | None]:
         sampled = [None] * len(step.seqs)
         done = [
             row
@@ -85,24 +179,17 @@ class ModelRunner:
                 sampled[row] = token
         return sampled
 
-    def _split(self, batch: StepBatch):
-        """How to cut the batch in two, or None for one batch, as every rank agreed."""
-        if not self.two_batch:  # the same on every rank: no need to ask the others
-            return None
-        mode = "decode" if batch.is_decode else "prefill"
-        wants = wants_overlap(batch.num_tokens, mode, self.thresholds)
-        if agree(wants, mode, self.group) is None:
-            return None
-        if mode == "decode":
-            return split_decode(batch.context_lens)
-        return split_prefill(batch.query_lens, batch.context_lens)
+    def _check_exchange(self) -> None:
+        """Every rank raises EPCommError if an exchange of this step failed on any rank."""
+        if self.expert_parallel:
+            self.expert_parallel.raise_if_failed()
 
-    @torch.no_grad()
-    def idle(self) -> None:
-        """A step without sequences: an expert-parallel rank's share of its peers' step, in the
-        schedule they agreed."""
-        schedule = agree(False, None, self.group) if self.two_batch else None
-        self.model.idle_step(self.cache, schedule)
+    def rebuild_exchange(self) -> None:
+        """After a failed exchange: a new ep_comm buffer (every rank together), and the decode
+        graphs, which replayed the old one, captured anew."""
+        self.decode_graphs = None
+        self.expert_parallel.reset()
+        self.decode_graphs = self._capture_decode_graphs()
 
     def read_page(self, block: int) -> torch.Tensor:
         """One page of every layer, `[layers, page_size, 576]` in the cache dtype (CPU)."""

@@ -7,8 +7,10 @@ position 0 of the cache's padding block, so they write only there and read only 
 
 Buckets of at least `two_batch_from` sequences are captured as two microbatches of half the
 bucket each, overlapped in the decode schedule. An expert-parallel model is captured when its
-exchange can be (ep_comm's cuda backend, with a fixed number of received rows): then every rank
-must replay the same bucket at the same time (`__call__`'s `bucket`, `idle`).
+exchange can be: through ep_comm's low-latency mode on its cuda backend when the model's
+`ExpertParallel` has it (every bucket within its T), else the normal mode on the cuda backend
+with a fixed number of received rows. Then every rank must replay the same bucket at the same
+time (`__call__`'s `bucket`, `idle`).
 
     graphs = DecodeGraphs(model, cache, max_batch=64)
     logits = graphs(batch)  # a decode StepBatch of at most 64 sequences; [b, vocab] float32
@@ -46,13 +48,19 @@ class DecodeGraphs:
         expert_parallel = model.expert_parallel
         if expert_parallel and not expert_parallel.capturable:
             raise ValueError(
-                f"ep_comm's {expert_parallel.buffer.backend} backend waits on the host: an "
-                "expert-parallel model runs eagerly with it"
+                "ep_comm's torch backend waits on the host: an expert-parallel model runs "
+                "eagerly with it"
             )
         self.buckets = sorted(set(batch_sizes)) if batch_sizes else buckets(max_batch)
         if self.buckets[0] < 1:
             raise ValueError(f"batch sizes must be >= 1, got {self.buckets[0]}")
         max_batch = self.buckets[-1]
+        self.low_latency = bool(expert_parallel and expert_parallel.low_latency)
+        if self.low_latency and not expert_parallel.low_latency_fits(max_batch):
+            raise ValueError(
+                f"a bucket of {max_batch} sequences exceeds the low-latency mode's "
+                f"{expert_parallel.max_decode_tokens} tokens per rank"
+            )
         self.model, self.cache = model, cache
         self.max_blocks = max_blocks or cache.num_blocks
         ranks = expert_parallel.rank_and_size[1] if expert_parallel else 1
@@ -70,15 +78,20 @@ class DecodeGraphs:
         }
         self.graphs, self.logits = {}, {}
         pool = None
+        normal_mode = expert_parallel and not self.low_latency
         self.num_worst_tokens = {
-            b: (b - b // 2 if self.two_batch[b] else b) * ranks if expert_parallel else 0
+            b: (b - b // 2 if self.two_batch[b] else b) * ranks if normal_mode else 0
             for b in self.buckets
         }
         for b in reversed(self.buckets):  # the largest first, so the others fit in its pool
 
             def run(b=b):
                 return model.run_step(
-                    self.step_inputs(b), cache, "decode", self.num_worst_tokens[b]
+                    self.step_inputs(b),
+                    cache,
+                    "decode",
+                    self.num_worst_tokens[b],
+                    low_latency=self.low_latency,
                 )
 
             with torch.no_grad():

@@ -1,16 +1,28 @@
 """Expert-parallel MoE through ep_comm: rank r of R holds routed experts [r E/R, (r+1) E/R).
 
 Attention is data-parallel (every rank runs its own tokens through all of it); in each MoE layer
-every rank's tokens travel to the ranks holding their experts (`dispatch`), are processed there,
-and come back summed (`combine`). ep_comm moves bf16 rows. On CUDA both calls run on ep_comm's
-communication stream and return an event (`async_finish`) without waiting for the transfer:
-the caller waits on it where it reads the result, so compute queued meanwhile (the other
-microbatch's) overlaps it. (Without `num_worst_tokens` a dispatch still waits on the host for
-its counts, as DeepEP's normal mode does.)
+every rank's tokens travel to the ranks holding their experts (dispatch), are processed there,
+and come back summed (combine). Two ways, as DeepSeek serves:
+
+- Prefill: ep_comm's normal mode (`dispatch`, `combine`) moves bf16 rows. On CUDA both calls
+  run on ep_comm's communication stream and return an event (`async_finish`) without waiting
+  for the transfer: the caller waits on it where it reads the result, so compute queued
+  meanwhile (the other microbatch's) overlaps it. (Without `num_worst_tokens` a dispatch still
+  waits on the host for its counts, as DeepEP's normal mode does.)
+- Decode: the low-latency mode (`low_latency_dispatch`, `low_latency_combine`) once
+  `use_low_latency` has set T, the most tokens a rank sends in one decode microbatch. Rows land
+  in fixed-shape per-expert blocks, nothing waits on the host, and each call returns a receive
+  hook: the send is queued at once, the receive only when the hook is called, so no SM spins
+  while the other microbatch computes. Its results equal the normal mode's but for the order
+  of the combine's sum (it weighs each token's expert rows on the token's own rank).
+
+After a failure that ep_comm could not raise at once (a CUDA-graph replay, an asynchronous
+call), `raise_if_failed` raises `EPCommError` on every rank and `reset` rebuilds the buffer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ep_comm import Buffer, Config, EventOverlap
+from ep_comm.config import SCALE_BLOCK
+from ep_comm.low_latency_checks import MAX_TOKENS_PER_RANK, MAX_TOPK
 
 
 @dataclass
@@ -29,6 +43,20 @@ class Dispatched:
     ids: torch.Tensor
     weights: torch.Tensor
     handle: object
+
+
+@dataclass
+class Packed:
+    """Rows a low-latency dispatch gave this rank's experts: x `[E_local, R * T, hidden]` bf16,
+    of which the first count[e] rows of expert e are valid (the combine reads no others);
+    handle: ep_comm's; ids and weights `[n, k]`: this rank's own tokens' choices, which the
+    combine applies on the way back."""
+
+    x: torch.Tensor
+    count: torch.Tensor
+    handle: object
+    ids: torch.Tensor
+    weights: torch.Tensor
 
 
 class ExpertParallel:
@@ -46,15 +74,64 @@ class ExpertParallel:
             raise ValueError(f"{num_experts} routed experts do not split over {size} ranks")
         self.group = group
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.rank_and_size = (group.rank(), size)
-        nvl_bytes = 0
+        self.backend, self.timeout = backend, timeout
+        self.max_decode_tokens = 0  # T of the low-latency mode; 0: decode uses the normal mode
+        self.why_not_low_latency = "no decode batch size was given (use_low_latency)"
+        self.buffer = self._new_buffer()
+
+    def _new_buffer(self) -> Buffer:
+        size, tokens = self.rank_and_size[1], self.max_decode_tokens
+        nvl_bytes = rdma_bytes = 0
         if torch.cuda.is_available():
-            nvl_bytes = Config().get_nvl_buffer_size_hint(hidden_size * 2, size)
-        self.buffer = Buffer(group, nvl_bytes, backend=backend, timeout=timeout)
+            nvl_bytes = Config().get_nvl_buffer_size_hint(self.hidden_size * 2, size)
+        if tokens:
+            rdma_bytes = Buffer.get_low_latency_rdma_size_hint(
+                tokens, self.hidden_size, size, self.num_experts
+            )
+        return Buffer(
+            self.group,
+            nvl_bytes,
+            rdma_bytes,
+            low_latency_mode=bool(tokens),
+            backend=self.backend,
+            timeout=self.timeout,
+        )
+
+    def use_low_latency(self, max_tokens: int, num_topk: int) -> bool:
+        """Let decode microbatches of at most T tokens per rank go through the low-latency
+        mode (T: max_tokens rounded up to a multiple of 4, at most 1024; larger ones keep the
+        normal mode): a new buffer, built by every rank together. False, with the reason in
+        `why_not_low_latency`, where the mode cannot move these rows."""
+        self.why_not_low_latency = None
+        if self.hidden_size % SCALE_BLOCK:
+            self.why_not_low_latency = (
+                f"hidden_size {self.hidden_size} is not a multiple of {SCALE_BLOCK}"
+            )
+        elif num_topk > MAX_TOPK:
+            self.why_not_low_latency = f"{num_topk} experts per token, more than {MAX_TOPK}"
+        else:
+            self.buffer.destroy()
+            self.max_decode_tokens = min(-(-max_tokens // 4) * 4, MAX_TOKENS_PER_RANK)
+            self.buffer = self._new_buffer()
+        return self.low_latency
+
+    @property
+    def low_latency(self) -> bool:
+        return self.max_decode_tokens > 0
+
+    def low_latency_fits(self, num_tokens: int) -> bool:
+        """Whether a decode microbatch of num_tokens tokens on a rank can go low-latency."""
+        return self.low_latency and num_tokens <= self.max_decode_tokens
 
     @property
     def capturable(self) -> bool:
-        """Whether the calls can be captured in a CUDA graph (with num_worst_tokens)."""
+        """Whether a decode step's exchange can be captured in a CUDA graph: in the low-latency
+        mode through ep_comm's cuda low-latency backend, else in the normal mode through its
+        cuda backend (with num_worst_tokens). The torch backends wait on the host."""
+        if self.low_latency:
+            return self.buffer.low_latency_backend == "cuda"
         return self.buffer.backend == "cuda"
 
     def dispatch(
@@ -85,3 +162,42 @@ class ExpertParallel:
             partial.to(torch.bfloat16), handle, async_finish=partial.is_cuda
         )
         return combined, event
+
+    def low_latency_dispatch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[Packed, Callable[[], None]]:
+        """x `[n, hidden]` (n <= T) and its global expert ids and weights `[n, k]` to this
+        rank's experts' packed rows, in bf16. Only sends: the rows are there once the returned
+        hook has been called."""
+        recv_x, count, handle, _, hook = self.buffer.low_latency_dispatch(
+            x.to(torch.bfloat16),
+            ids,
+            self.max_decode_tokens,
+            self.num_experts,
+            use_fp8=False,
+            return_recv_hook=True,
+        )
+        return Packed(recv_x, count, handle, ids, weights.float()), hook
+
+    def low_latency_combine(
+        self, expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, handle
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Each token's weighted sum of its experts' rows `[n, hidden]` bf16, back on its rank:
+        expert_out `[E_local, R * T, hidden]` are the experts' outputs for `Packed.x`,
+        unweighted. The sum is there once the returned hook has been called."""
+        combined, _, hook = self.buffer.low_latency_combine(
+            expert_out.to(torch.bfloat16), ids, weights, handle, return_recv_hook=True
+        )
+        return combined, hook
+
+    def raise_if_failed(self) -> None:
+        """Raise EPCommError on every rank if any rank's buffer failed in a call that could not
+        raise. Collective; waits for this rank's work on the current stream first."""
+        if self.buffer.device is not None:
+            torch.cuda.current_stream().synchronize()
+        self.buffer.raise_if_failed()
+
+    def reset(self) -> None:
+        """Rebuild the buffer after a failure; collective. CUDA graphs that captured the old
+        one must be captured again."""
+        self.buffer.reset()

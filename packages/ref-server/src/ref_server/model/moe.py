@@ -12,7 +12,7 @@ from torch import nn
 
 from overlap_sched import State, run
 from ref_server.model.args import ModelArgs
-from ref_server.model.expert_parallel import Dispatched
+from ref_server.model.expert_parallel import Dispatched, Packed
 from ref_server.model.layers import MLP
 
 
@@ -92,6 +92,13 @@ class Experts(nn.Module):
         weighted = torch.where(valid[:, None], per_slot * weights.flatten()[:, None], 0.0)
         return weighted.unflatten(0, ids.shape).sum(dim=1).to(x.dtype)
 
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[e, rows, hidden]`, row i of expert e a token for it: each row through its
+        expert, unweighted (a low-latency combine weighs them). Every row runs, valid or not,
+        so the shapes are fixed (what CUDA graphs need)."""
+        gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+
 
 class MoE(nn.Module):
     """Routed experts (this rank's share of them) plus shared experts. With `expert_parallel`,
@@ -99,8 +106,9 @@ class MoE(nn.Module):
 
     As operations (state in: mlp_in `[n, hidden]`, normalized; out: mlp_out): gate,
     select_experts, dispatch_a (sends), dispatch_b (receives), experts, combine_a (sends back),
-    shared_experts, combine_b (receives), output. The two sends return ep_comm's event; the
-    executor waits on it where the receiving op reads what was sent.
+    shared_experts, combine_b (receives), output. The two sends return ep_comm's event, or in
+    the low-latency mode (state key `low_latency`, decode) its receive hook; the executor waits
+    on the event, or calls the hook, where the receiving op reads what was sent.
     """
 
     def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
@@ -139,6 +147,9 @@ class MoE(nn.Module):
         if self.expert_parallel is None:
             state.dispatched = Dispatched(x, ids, weights, None)
             return None
+        if "low_latency" in state:
+            state.dispatched, hook = self.expert_parallel.low_latency_dispatch(x, ids, weights)
+            return hook
         worst = state.num_worst_tokens if "num_worst_tokens" in state else 0
         state.dispatched, event = self.expert_parallel.dispatch(x, ids, weights, worst)
         return event
@@ -148,15 +159,23 @@ class MoE(nn.Module):
 
     def op_experts(self, state) -> None:
         received = state.pop("received")
-        out = self.experts(received.x.to(self.dtype), received.ids, received.weights)
-        state.expert_out = (out, received.handle)
+        if isinstance(received, Packed):
+            out = self.experts.packed(received.x.to(self.dtype))
+        else:
+            out = self.experts(received.x.to(self.dtype), received.ids, received.weights)
+        state.expert_out = (out, received)
 
     def op_combine_a(self, state):
-        out, handle = state.pop("expert_out")
+        out, received = state.pop("expert_out")
         if self.expert_parallel is None:
             state.combined = out
             return None
-        state.combined, event = self.expert_parallel.combine(out, handle)
+        if isinstance(received, Packed):
+            state.combined, hook = self.expert_parallel.low_latency_combine(
+                out, received.ids, received.weights, received.handle
+            )
+            return hook
+        state.combined, event = self.expert_parallel.combine(out, received.handle)
         return event
 
     def op_shared_experts(self, state) -> None:

@@ -149,38 +149,59 @@ class Transformer(nn.Module):
         state.logits = self.lm_head(self.norm(x)).float()
 
     @torch.no_grad()
-    def forward_step(self, batch: StepBatch, cache: PagedKVCache, split=None) -> torch.Tensor:
+    def forward_step(
+        self, batch: StepBatch, cache: PagedKVCache, split=None, low_latency: bool | None = None
+    ) -> torch.Tensor:
         """The new tokens of `batch` through the cache; logits `[b, vocab]` float32 of each
         sequence's last new token. split (an `overlap_sched.Split`): run two microbatches
-        overlapped, in the schedule of the batch's kind."""
+        overlapped, in the schedule of the batch's kind. low_latency: the MoE exchanges go
+        through ep_comm's low-latency mode (every expert-parallel rank must choose alike);
+        None: for a decode batch, when the mode is set up and the batch fits it."""
         heads = self.args.num_attention_heads
         schedule = "decode" if batch.is_decode else "prefill"
+        if low_latency is None:
+            ep = self.expert_parallel
+            low_latency = bool(batch.is_decode and ep and ep.low_latency_fits(batch.num_tokens))
         parts = [batch] if split is None else batch.split(split)
         inputs = [(p.input_ids.to(cache.device), p.metadata(cache, heads)) for p in parts]
-        logits = self.run_step(inputs, cache, schedule)
+        logits = self.run_step(inputs, cache, schedule, low_latency=low_latency)
         if split is not None and split.cut:  # a cut sequence's last token is in B: drop A's row
             a_rows = len(split.seqs[0])
             logits = torch.cat([logits[: a_rows - 1], logits[a_rows:]])
         return logits
 
     def run_step(
-        self, inputs, cache: PagedKVCache, schedule: str, num_worst_tokens: int = 0, recorder=None
+        self,
+        inputs,
+        cache: PagedKVCache,
+        schedule: str,
+        num_worst_tokens: int = 0,
+        recorder=None,
+        low_latency: bool = False,
     ):
         """`forward_step` on device tensors alone (what `DecodeGraphs` captures): inputs, one
         (input_ids, StepMetadata) pair per microbatch, one or two. num_worst_tokens: the
         expert-parallel dispatch's fixed output rows per microbatch (0: as received);
-        recorder: an `overlap_sched.Recorder` that times every op."""
-        states = [self._state(ids, step, num_worst_tokens) for ids, step in inputs]
+        recorder: an `overlap_sched.Recorder` that times every op; low_latency: exchange through
+        ep_comm's low-latency mode (decode)."""
+        states = [self._state(ids, step, num_worst_tokens, low_latency) for ids, step in inputs]
         self._run(cache, schedule, states, recorder)
         logits = [s.logits for s in states]
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
-    def idle_step(self, cache: PagedKVCache, schedule: str | None = None, num_worst_tokens=0):
+    def idle_step(
+        self,
+        cache: PagedKVCache,
+        schedule: str | None = None,
+        num_worst_tokens: int = 0,
+        low_latency: bool = False,
+    ):
         """What an expert-parallel rank without tokens runs while its peers step: every MoE
         layer's exchange with no rows of its own, so its experts serve the peers' tokens;
-        schedule: the peers' two-microbatch schedule, None when they run one batch."""
+        schedule: the peers' two-microbatch schedule, None when they run one batch;
+        low_latency: whether their exchanges go through the low-latency mode."""
         count = 1 if schedule is None else 2
-        states = [self._state(None, None, num_worst_tokens) for _ in range(count)]
+        states = [self._state(None, None, num_worst_tokens, low_latency) for _ in range(count)]
         self._run(cache, schedule or "prefill", states)
 
     def _run(self, cache: PagedKVCache, schedule: str, states: list[State], recorder=None):
@@ -191,9 +212,11 @@ class Transformer(nn.Module):
             run_overlapped(ops, states, DELTA_STAGES[schedule], recorder)
 
     @staticmethod
-    def _state(input_ids, step: StepMetadata | None, num_worst_tokens: int) -> State:
+    def _state(input_ids, step: StepMetadata | None, num_worst_tokens: int, low_latency) -> State:
         state = State(num_tokens=0 if step is None else step.num_tokens, step=step)
         state.input_ids = input_ids
         if num_worst_tokens:
             state.num_worst_tokens = num_worst_tokens
+        if low_latency:
+            state.low_latency = True
         return state

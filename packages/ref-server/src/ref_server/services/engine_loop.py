@@ -12,7 +12,10 @@ when it runs out. So pages are never reused while their lease holds.
 
 The ranks of an expert-parallel instance step in lockstep: every MoE layer of a step is a
 collective of all of them. Before each step they agree (an all-reduce over the instance's
-group) on the readiest rank's state; a rank without sequences then runs an idle step.
+group) on the readiest rank's state; a rank without sequences then runs an idle step. When an
+exchange fails, every rank gets `EPCommError` from the same step (ep_comm raises it on all of
+them): each ends its requests with an error and rebuilds the exchange with the others; an
+instance whose rebuild fails stops, out of service (`on_failure`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,19 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from ep_comm import EPCommError
 from ref_server.engine import Engine, FinishReason, Status
 
 IDLE, BLOCKED, RUNNABLE = 0, 1, 2  # no requests; requests waiting on held pages; work to run
 
 log = logging.getLogger(__name__)
+
+
+def exchange_failure(error: BaseException) -> EPCommError | None:
+    """The EPCommError behind an engine step's error (an op that raised wraps it), if any."""
+    while error is not None and not isinstance(error, EPCommError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def one_line(error: BaseException) -> str:
@@ -49,7 +60,8 @@ class EngineLoop:
         on_failure: Callable[[], None] = lambda: None,
     ) -> None:
         """group: the instance's ranks (gloo), when it has several; on_failure: called once
-        when they lose each other (the loop has stopped then, every request ended)."""
+        when they lose each other or cannot rebuild a failed exchange (the loop has stopped
+        then, every request ended)."""
         self.engine = engine
         self.hold_seconds = hold_seconds
         self.group = group
@@ -214,11 +226,12 @@ class EngineLoop:
         try:
             updated = self.engine.step()
         except Exception as error:
+            failure = exchange_failure(error)
+            if failure is not None:
+                self._rebuild(failure)
+                return
             log.exception("engine step failed")
-            message = f"engine step failed: {one_line(error)}"
-            for request_id in list(self.sinks):
-                self.engine.abort(request_id)
-                self._end(request_id, ("error", message))
+            self._abort_all(f"engine step failed: {one_line(error)}")
             return
         now = time.monotonic()
         for seq in updated:
@@ -230,6 +243,27 @@ class EngineLoop:
             sink(("token", seq.tokens[-1]))
             if seq.status is Status.FINISHED:
                 self._end(seq.request_id, ("done", seq.finish_reason))
+
+    def _abort_all(self, message: str) -> None:
+        for request_id in list(self.sinks):
+            self.engine.abort(request_id)
+            self._end(request_id, ("error", message))
+
+    def _rebuild(self, failure: EPCommError) -> None:
+        """Every rank is here after the same failed step: end its requests, rebuild together."""
+        log.error(
+            "an expert-parallel exchange failed; ending %d requests and rebuilding it: %s",
+            len(self.sinks),
+            failure,
+        )
+        self._abort_all(f"the expert-parallel exchange failed: {one_line(failure)}")
+        try:
+            self.engine.rebuild_exchange()
+        except Exception as error:
+            log.exception("rebuilding the expert-parallel exchange failed")
+            self._fail(f"rebuilding the expert-parallel exchange failed: {one_line(error)}")
+            return
+        log.warning("rebuilt the expert-parallel exchange: serving again")
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
