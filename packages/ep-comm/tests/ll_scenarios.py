@@ -197,6 +197,10 @@ def roundtrip(rank: int, world: int, group, seed: int, backend="torch", device="
         nan, topk_idx, topk_weights, handle, zero_copy=True
     )
     assert torch.equal(zero_copy.cpu(), want)
+    buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+    buffer.low_latency_combine(y, topk_idx, topk_weights, handle)  # moves to the other buffer
+    with pytest.raises(ValueError, match="another low-latency op ran in between"):
+        buffer.low_latency_combine(nan, topk_idx, topk_weights, handle, zero_copy=True)
     # fp32 absorbs x next to 2**24 x: only the k order gives these sums
     absorbing = torch.tensor([2.0**24, 1.0, -(2.0**24), 0.5]).expand(x.shape[0], -1).contiguous()
     y = combine_input(p, rank, world, plain[0], count, unchanged)

@@ -24,7 +24,6 @@ buffer gives up at once and receives poison their outputs (NaN) and set `error_f
 from __future__ import annotations
 
 import ctypes
-import functools
 from datetime import timedelta
 
 import torch
@@ -161,6 +160,9 @@ class NvshmemLowLatency:
         self.data = self.lib.ep_ll_malloc(num_rdma_bytes)
         self.control = self.lib.ep_ll_malloc(control_bytes)
         if not self.data or not self.control:
+            for allocation in (self.data, self.control):
+                if allocation:
+                    self.lib.ep_ll_free(allocation)
             raise nvshmem.NvshmemUnavailable(
                 f"nvshmem_malloc of {num_rdma_bytes} + {control_bytes} bytes failed on rank "
                 f"{self.rank} (NVSHMEM_SYMMETRIC_SIZE is the heap per PE)"
@@ -223,9 +225,23 @@ class NvshmemLowLatency:
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def _receive(self, launch, params, what: str, _inputs: tuple) -> None:
-        """Enqueue a receive kernel on the current stream (`_inputs` stay alive until then)."""
-        self._check(launch(ctypes.byref(params), self._stream()), what)
+    def _sent(self, launch_receive, params, what: str, tensors: tuple):
+        """The `receive()` of a send just enqueued on the current stream: it enqueues the
+        receive kernel on the stream current when it is called, after the send (the receive
+        reads what the send's last block wrote), keeping `tensors` alive until then."""
+        sent_on, sent = torch.cuda.current_stream(), torch.cuda.Event()
+        sent.record(sent_on)
+
+        def receive() -> None:
+            stream = torch.cuda.current_stream()
+            if stream != sent_on:
+                stream.wait_event(sent)
+                for tensor in tensors:
+                    if isinstance(tensor, torch.Tensor):
+                        tensor.record_stream(stream)
+            self._check(launch_receive(ctypes.byref(params), stream.cuda_stream), what)
+
+        return receive
 
     def dispatch_send(
         self,
@@ -270,8 +286,10 @@ class NvshmemLowLatency:
         self._check(
             self.lib.ep_ll_dispatch_send(ctypes.byref(p), self._stream(), self.num_sms), "dispatch"
         )
-        inputs = (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
-        return functools.partial(self._receive, self.lib.ep_ll_dispatch_recv, p, "dispatch", inputs)
+        stats = (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+        outputs = (out.x, out.scales, out.count, out.src_info, out.layout_range)
+        tensors = (x, topk_idx, *stats, *outputs)
+        return self._sent(self.lib.ep_ll_dispatch_recv, p, "dispatch", tensors)
 
     def combine_send(
         self,
@@ -306,8 +324,8 @@ class NvshmemLowLatency:
             wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
         )
         self._check(self.lib.ep_ll_combine_send(ctypes.byref(p), self._stream()), "combine")
-        inputs = (x, topk_idx, topk_weights, handle, combine_wait_recv_cost_stats)
-        return functools.partial(self._receive, self.lib.ep_ll_combine_recv, p, "combine", inputs)
+        tensors = (x, topk_idx, topk_weights, *handle[:2], combine_wait_recv_cost_stats, out)
+        return self._sent(self.lib.ep_ll_combine_recv, p, "combine", tensors)
 
     def combine_buffer(self, slot: int, handle) -> torch.Tensor:
         """bf16 [E_local, R*T, H]: slot's send area, which a zero-copy combine on `slot` reads."""
@@ -321,13 +339,22 @@ class NvshmemLowLatency:
         view = _device_bytes(self.data + slot * self.half, nbytes).view(torch.bfloat16)
         return view.view(num_experts // self.size, self.size * T, hidden)
 
+    def _quiet(self) -> None:
+        """This rank's kernels have ended and everything they sent has landed (their last
+        signals and acks are not followed by a quiet of their own)."""
+        status = self.lib.ep_ll_quiet()
+        if status != 0:
+            raise RuntimeError(
+                f"completing the low-latency kernels' sends failed (CUDA error {status})"
+            )
+
     def _barrier(self, step: str) -> None:
         self.comm.all_gather(step, torch.zeros(1, dtype=torch.int32))
 
     def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         """Collective: forget every signal, ack and failure (no kernel may be in flight)."""
         self._layout(max_tokens, hidden, num_experts)
-        torch.cuda.synchronize()
+        self._quiet()
         self._barrier("clean_low_latency_buffer: every rank's kernels finished")
         _device_bytes(self.control, self.control_bytes).zero_()
         for t in (self.words, self.expert_counters, self.error_flag, self.status):
@@ -350,7 +377,7 @@ class NvshmemLowLatency:
         """Collective: no rank frees what a peer may still write."""
         if not self.data:
             return
-        torch.cuda.synchronize()
+        self._quiet()
         self._barrier("low-latency Buffer.destroy(): every rank's kernels finished")
         self.lib.ep_ll_free(self.control)
         self.lib.ep_ll_free(self.data)

@@ -270,6 +270,7 @@ class LowLatencyMode:
         self._calls = 0
         self._pending: list[_PendingReceive | None] = [None, None]
         self._layout: tuple[int, int, int] | None = None  # (T, H, E) since the last clean
+        self._staged_for: int | None = None  # the call the zero-copy buffer was handed out for
 
     def dispatch(
         self,
@@ -356,6 +357,7 @@ class LowLatencyMode:
             topk_weights,
             handle,
             use_logfmt,
+            zero_copy,
             async_finish,
             return_recv_hook,
             out,
@@ -400,6 +402,7 @@ class LowLatencyMode:
                 pending.state = "cleaned"
         self._pending = [None, None]
         self._slot, self._calls, self._layout = 0, 0, layout
+        self._staged_for = None
         self.impl.clean(*layout)
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -409,6 +412,7 @@ class LowLatencyMode:
         problem = self._size_problem(*handle[2:])
         if problem:
             raise ValueError(problem)
+        self._staged_for = self._calls
         return self.impl.combine_buffer(self._slot, handle)
 
     def destroy(self) -> None:
@@ -452,6 +456,7 @@ class LowLatencyMode:
         topk_weights,
         handle,
         use_logfmt,
+        zero_copy,
         async_finish,
         return_recv_hook,
         out,
@@ -480,6 +485,16 @@ class LowLatencyMode:
         llchecks.check_flags(async_finish, return_recv_hook)
         self._check_device(x.device)
         llchecks.check_expert_values(topk_idx, num_experts)
+        if zero_copy and self._staged_for != self._calls:
+            raise ValueError(
+                "zero_copy=True reads what was written into get_next_low_latency_combine_buffer"
+                "(handle), which must come right before this call: "
+                + (
+                    "it was never called"
+                    if self._staged_for is None
+                    else "another low-latency op ran in between, on the other buffer"
+                )
+            )
 
     def _check_device(self, device: torch.device) -> None:
         if self.device is not None and device != self.device:

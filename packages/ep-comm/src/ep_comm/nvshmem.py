@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ep_comm.collectives import Collectives
 
@@ -129,6 +130,7 @@ def load() -> ctypes.CDLL:
         "ep_ll_malloc": ([ctypes.c_uint64], c_void_p),
         "ep_ll_free": ([c_void_p], None),
         "ep_ll_barrier_all": ([], None),
+        "ep_ll_quiet": ([], c_int),
         "ep_ll_dispatch_send": ([c_void_p, c_void_p, c_int], c_int),
         "ep_ll_dispatch_recv": ([c_void_p, c_void_p], c_int),
         "ep_ll_combine_send": ([c_void_p, c_void_p], c_int),
@@ -140,7 +142,7 @@ def load() -> ctypes.CDLL:
     return lib
 
 
-_started: dict[str, int] = {}  # rank and size of this process's NVSHMEM world, once started
+_started: dict[str, tuple] = {}  # the global ranks of this process's NVSHMEM world, once started
 
 
 def _set_environment(heap_bytes: int) -> None:
@@ -157,11 +159,12 @@ def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
     process; later calls check they ask for the same world). `heap_bytes`: what this process
     will allocate, for `NVSHMEM_SYMMETRIC_SIZE` unless that is set already."""
     lib = load()
+    members = tuple(dist.get_process_group_ranks(comm.group))
     if _started:
-        if (_started["rank"], _started["size"]) != (comm.rank, comm.size):
+        if _started["members"] != members:
             raise ValueError(
-                f"NVSHMEM already runs in this process as PE {_started['rank']} of "
-                f"{_started['size']}; a low-latency Buffer for rank {comm.rank} of {comm.size} "
+                f"NVSHMEM already runs in this process for the group of global ranks "
+                f"{list(_started['members'])}; a low-latency Buffer over {list(members)} "
                 "needs the same group (NVSHMEM starts once per process)"
             )
         return lib
@@ -186,5 +189,5 @@ def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
             f"NVSHMEM started as PE {lib.ep_ll_my_pe()} of {lib.ep_ll_num_pes()}, "
             f"expected {comm.rank} of {comm.size}"
         )
-    _started.update(rank=comm.rank, size=comm.size)
+    _started["members"] = members
     return lib

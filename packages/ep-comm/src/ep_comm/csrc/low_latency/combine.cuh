@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kCombineSendThreads) combine_send_kernel(const
   __shared__ int acked;
   if (threadIdx.x == 0)
     acked = wait_signal(s, kCombineSend, dst, s.rank * experts_per_rank + local, s.acks + dst,
-                        [&](uint64_t v) { return v + 1 >= use; });
+                        [&](uint64_t v) { return acked_at_least(v, use - 1); });
   __syncthreads();
 
   const int64_t range = p.layout_range[int64_t(local) * R + dst];

@@ -37,6 +37,12 @@ __device__ inline void record_failure(const LLSlot& s, int step, int peer, int e
 // Spin until `ready(value of *word)`. False after the buffer's timeout, or as soon as the
 // buffer has failed (here or on a peer: a rank that times out tells every peer), so a failed
 // buffer never waits a whole timeout again. Returns the time waited in *waited_ns.
+// Whether an ack of use `ack` covers use `wanted`. Uses count up in 32 bits and wrap (after
+// 2^32 calls on a slot, weeks at decode rates): compare by difference, not magnitude.
+__device__ __forceinline__ bool acked_at_least(uint64_t ack, uint32_t wanted) {
+  return static_cast<int32_t>(static_cast<uint32_t>(ack) - wanted) >= 0;
+}
+
 template <typename Ready>
 __device__ bool wait_signal(const LLSlot& s, int step, int peer, int expert, uint64_t* word, Ready ready,
                             uint64_t* waited_ns = nullptr) {

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kDispatchSendThreads, 1) dispatch_send_kernel(
   if (threadIdx.x == 0) acked = 1;
   __syncthreads();
   for (int r = threadIdx.x; r < R; r += blockDim.x)
-    if (!wait_signal(s, kDispatchSend, r, -1, s.acks + r, [&](uint64_t v) { return v + 1 >= use; })) acked = 0;
+    if (!wait_signal(s, kDispatchSend, r, -1, s.acks + r, [&](uint64_t v) { return acked_at_least(v, use - 1); })) acked = 0;
   __syncthreads();
 
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {

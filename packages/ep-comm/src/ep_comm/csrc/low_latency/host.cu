@@ -38,9 +38,18 @@ extern "C" int ep_ll_init_status(void) { return nvshmemx_init_status(); }
 extern "C" void* ep_ll_malloc(uint64_t bytes) {
   void* ptr = nvshmem_align(128, bytes);
   if (ptr == nullptr) return nullptr;
-  if (cudaMemset(ptr, 0, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) return nullptr;
-  nvshmem_barrier_all();  // zeroed everywhere before any peer writes
-  return ptr;
+  const bool zeroed = cudaMemset(ptr, 0, bytes) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
+  nvshmem_barrier_all();  // zeroed everywhere before any peer writes (and no peer left waiting)
+  return zeroed ? ptr : nullptr;
+}
+
+// Completes every put and signal this PE's kernels issued (a kernel's last signals have no
+// quiet after them), then waits for the GPU: before clean or free, nothing may still land.
+extern "C" int ep_ll_quiet(void) {
+  cudaError_t status = cudaDeviceSynchronize();  // every kernel has issued what it will
+  if (status != cudaSuccess) return static_cast<int>(status);
+  nvshmemx_quiet_on_stream(0);
+  return static_cast<int>(cudaDeviceSynchronize());
 }
 
 extern "C" void ep_ll_free(void* ptr) { nvshmem_free(ptr); }

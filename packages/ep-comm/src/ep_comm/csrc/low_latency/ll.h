@@ -88,6 +88,7 @@ int ep_ll_init_status(void);
 void* ep_ll_malloc(uint64_t bytes);  // collective, zeroed; null on failure
 void ep_ll_free(void* ptr);          // collective
 void ep_ll_barrier_all(void);
+int ep_ll_quiet(void);  // completes this PE's kernels' puts and signals; a cudaError_t
 
 // Launches on `stream` (a cudaStream_t); they return the launch's cudaError_t.
 int ep_ll_dispatch_send(const LLDispatchParams* p, void* stream, int num_sms);
