@@ -392,3 +392,29 @@ def low_latency_graphs_match_eager(rank: int, world: int, group, path: str) -> N
         expert_parallel.reset()
     if b:
         torch.testing.assert_close(replays[1], replays[0], rtol=2e-2, atol=2e-2)
+
+
+def greedy_steps(model, prompt: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens after `prompt` through the paged cache: a prefill, then decode
+    steps (no eos: every rank runs the same number of steps)."""
+    device = model.embed_tokens.weight.device
+    cache = M.PagedKVCache(model.args, 1, 64, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    tokens, new = [], prompt
+    for _ in range(steps):
+        context = len(prompt) + len(tokens)
+        batch = StepBatch(torch.tensor(new, device=device), [len(new)], [context], table)
+        tokens.append(int(model.forward_step(batch, cache)[0].argmax()))
+        new = tokens[-1:]
+    return tokens
+
+
+def fp8_expert_parallel_matches_one_process(rank: int, world: int, group, path: str) -> None:
+    """With FP8 weights, each rank's greedy tokens for its own prompt equal those of one FP8
+    process holding every expert."""
+    ep = M.from_pretrained(path, dtype=torch.bfloat16, group=group, weight_dtype="fp8")
+    one = M.from_pretrained(path, dtype=torch.bfloat16, weight_dtype="fp8")
+    experts = ep.layers[1].mlp.experts
+    assert experts.gate_proj.dtype == torch.float8_e4m3fn and experts.num_experts == 8 // world
+    prompt = list(range(5 + rank, 17 + 2 * rank))  # lengths differ by rank
+    assert greedy_steps(ep, prompt, 16) == greedy_steps(one, prompt, 16)

@@ -2,6 +2,7 @@
 
     model = ref_server.model.from_preset("tiny", seed=0)
     model = ref_server.model.from_pretrained("/path/to/checkpoint", dtype=torch.bfloat16)
+    model = ref_server.model.from_pretrained(path, weight_dtype="fp8")  # projections in FP8
     logits = model(input_ids)                      # [b, t] -> [b, t, vocab], no cache
     tokens = model.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
 
@@ -19,6 +20,7 @@ from ref_server.model.args import PRESETS, ModelArgs
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.checkpoint import CheckpointError, init_random, load_weights, read_config
 from ref_server.model.cuda_graphs import DecodeGraphs
+from ref_server.model.fp8 import use_fp8
 from ref_server.model.generate import generate
 from ref_server.model.sampling import SamplingParams
 from ref_server.model.step import StepBatch
@@ -35,15 +37,24 @@ class Model(Transformer):
         return generate(self, prompts, params or SamplingParams(), **kw)
 
 
-def _build(args: ModelArgs, dtype, device, group: dist.ProcessGroup | None) -> Model:
+WEIGHT_DTYPES = (None, "fp8")
+
+
+def _build(
+    args: ModelArgs, dtype, device, group: dist.ProcessGroup | None, weight_dtype: str | None
+) -> Model:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype {weight_dtype!r}: expected None (dtype) or 'fp8'")
     expert_parallel = None
     if group is not None and group.size() > 1:
         from ref_server.model.expert_parallel import ExpertParallel
 
         expert_parallel = ExpertParallel(group, args.n_routed_experts, args.hidden_size)
     with torch.device("meta"):
-        model = Model(args, expert_parallel)
-    model = model.to_empty(device=device).to(dtype)
+        model = Model(args, expert_parallel).to(dtype)
+        if weight_dtype == "fp8":
+            use_fp8(model)  # after .to(dtype), which would convert FP8 tensors too
+    model = model.to_empty(device=device)
     model.eval()
     return model
 
@@ -55,9 +66,12 @@ def from_args(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
+    weight_dtype: str | None = None,
 ) -> Model:
-    """A model of these hyper-parameters with random weights drawn from `seed`."""
-    model = _build(args, dtype, device, group)
+    """A model of these hyper-parameters with random weights drawn from `seed`, in `dtype`
+    (activations, and weights unless weight_dtype is "fp8": then the projections are FP8,
+    the same random weights quantized in 128 x 128 blocks)."""
+    model = _build(args, dtype, device, group, weight_dtype)
     init_random(model, seed)
     model.tokenizer = load_tokenizer(model.args)
     return model
@@ -76,13 +90,17 @@ def from_pretrained(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
+    weight_dtype: str | None = None,
 ) -> Model:
-    """A Hugging Face DeepSeek-V3 checkpoint directory (FP8 weights are dequantized to dtype).
-    With a group of several ranks, each holds its share of the routed experts."""
+    """A Hugging Face DeepSeek-V3 checkpoint directory, activations in `dtype`. weight_dtype
+    None: weights in dtype too (FP8 ones dequantized); "fp8": the projections DeepSeek stores
+    in FP8 (attention, dense and shared MLPs, routed experts) stay e4m3 with their 128 x 128
+    block scales, and bf16 ones are quantized so. With a group of several ranks, each holds
+    its share of the routed experts."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
-    model = _build(read_config(path), dtype, device, group)
+    model = _build(read_config(path), dtype, device, group, weight_dtype)
     load_weights(model, path)
     model.tokenizer = load_tokenizer(model.args, path)
     return model

@@ -139,6 +139,27 @@ class ModelArgs:
         layers = self.num_hidden_layers * self.attention_parameters() + dense + moe_layers * moe
         return layers + embeddings + h
 
+    def weight_bytes_per_gpu(self, ep_size: int = 1, weight_dtype: str = "bf16") -> int:
+        """Bytes of weights one GPU holds with the routed experts split over `ep_size` ranks
+        and everything else replicated on each (data-parallel attention). "bf16": 2 bytes a
+        weight; "fp8": the projections DeepSeek stores in FP8 (attention, dense and shared
+        MLPs, routed experts) take 1 byte plus a 4-byte scale per 128 x 128 block (partial
+        blocks counted as full ones' share), the rest (embeddings, head, router, norms) bf16."""
+        if weight_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"weight_dtype {weight_dtype!r}: expected 'bf16' or 'fp8'")
+        h, layers = self.hidden_size, self.num_hidden_layers
+        moe_layers = layers - self.first_k_dense_replace
+        norms = layers * (2 * h + (self.q_lora_rank or 0) + self.kv_lora_rank) + h
+        attention = layers * self.attention_parameters() - (norms - h)
+        dense = self.first_k_dense_replace * 3 * h * self.intermediate_size
+        shared = moe_layers * self.n_shared_experts * self.expert_parameters()
+        routed = moe_layers * self.n_routed_experts * self.expert_parameters()
+        rest = self.num_parameters() - attention - dense - shared - routed
+        projections = attention + dense + shared + routed // ep_size
+        if weight_dtype == "bf16":
+            return 2 * (projections + rest)
+        return round(projections * (1 + 4 / 128**2)) + 2 * rest
+
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArgs:
         """From a Hugging Face DeepSeek-V3 `config.json` (V2/V3 field names)."""

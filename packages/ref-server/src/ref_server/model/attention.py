@@ -15,6 +15,7 @@ from torch import nn
 
 import mla_kernels
 from ref_server.model.args import ModelArgs
+from ref_server.model.fp8 import FP8Linear
 from ref_server.model.layers import RMSNorm, rotate
 
 
@@ -94,13 +95,13 @@ class Attention(nn.Module):
     def core(self, state, kv: torch.Tensor) -> None:
         q, step = state.pop("attn_query"), state.step
         if step is None:
-            state.attn_out = self.o_proj.weight.new_zeros(0, self.args.hidden_size)
+            state.attn_out = self.kv_a_layernorm.weight.new_zeros(0, self.args.hidden_size)
             return
         if step.is_decode:
             out = self._absorbed_decode(q, kv, step)
         else:
             out = self._prefill_from_cache(q, kv, step)
-        state.attn_out = self.o_proj(out.to(self.o_proj.weight.dtype))
+        state.attn_out = self.o_proj(out.to(self.dtype))
 
     def _prefill_from_cache(self, q, cache, step):
         a, page = self.args, cache.shape[1]
@@ -121,9 +122,17 @@ class Attention(nn.Module):
             start += new
         return torch.cat(outputs)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (the norms keep it when the projections are FP8)."""
+        return self.kv_a_layernorm.weight.dtype
+
     def _kv_b_halves(self):
         a = self.args
-        w = self.kv_b_proj.weight.unflatten(0, (a.num_attention_heads, -1))
+        w = self.kv_b_proj.weight
+        if isinstance(self.kv_b_proj, FP8Linear):
+            w = self.kv_b_proj.dequantized(self.dtype)
+        w = w.unflatten(0, (a.num_attention_heads, -1))
         return w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
 
     def _absorbed_query(self, q_nope, q_rope, dtype):

@@ -3,8 +3,10 @@
 A checkpoint is `config.json` plus safetensors files (one, or shards named by
 `model.safetensors.index.json`). Tensors are read memory-mapped, one at a time, straight into
 the model's parameters. FP8 e4m3 weights come with `weight_scale_inv`, one fp32 scale per
-128 x 128 block, and are dequantized on load. Routed experts this rank does not hold are not
-read; layers past `num_hidden_layers` (DeepSeek-V3's multi-token-prediction layer) are skipped.
+128 x 128 block: a model that keeps its projections in FP8 (`fp8.use_fp8`) keeps them so, and
+quantizes bf16 ones the same way; any other model gets them dequantized. Routed experts this
+rank does not hold are not read; layers past `num_hidden_layers` (DeepSeek-V3's
+multi-token-prediction layer) are skipped.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import torch
 from safetensors import safe_open
 
 from ref_server.model.args import ModelArgs
+from ref_server.model.fp8 import blocks, dequantize_blocks, quantize_blocks
 from ref_server.model.transformer import Transformer
-
-FP8_BLOCK = 128
 
 
 class CheckpointError(ValueError):
@@ -58,37 +59,46 @@ def weight_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def checkpoint_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, the model tensor or the view of it that the checkpoint tensor fills)
-    for every tensor of the model. Stacked routed experts are one view per expert and
-    projection, named by the expert's global index."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+def checkpoint_tensors(
+    model: Transformer,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(checkpoint name, the model tensor or the view of it that the checkpoint tensor fills,
+    the view its block scales fill where the model keeps it in FP8, else None) for every
+    tensor of the model. Stacked routed experts are one view per expert and projection, named
+    by the expert's global index."""
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    for name, tensor in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue  # filled with its weight
+        scale = tensors.get(name + "_scale_inv")
         parts = name.split(".")
         if parts[2:4] != ["mlp", "experts"]:
-            yield (name if name.startswith("lm_head.") else "model." + name), tensor
+            yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
             continue
         moe = model.layers[int(parts[1])].mlp
         for e in range(tensor.shape[0]):
             prefix = f"model.layers.{parts[1]}.mlp.experts.{moe.first_expert + e}."
             if parts[4] == "gate_up_proj":
                 gate, up = tensor[e].chunk(2, dim=0)
-                yield prefix + "gate_proj.weight", gate
-                yield prefix + "up_proj.weight", up
-            else:
-                yield prefix + "down_proj.weight", tensor[e]
+                yield prefix + "gate_proj.weight", gate, None
+                yield prefix + "up_proj.weight", up, None
+            else:  # down_proj, or FP8Experts' gate_proj and up_proj
+                yield prefix + parts[4] + ".weight", tensor[e], None if scale is None else scale[e]
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """e4m3 `[out, in]` times one fp32 scale per 128 x 128 block `[ceil(out/128), ceil(in/128)]`."""
-    rows, cols = weight.shape
-    blocks = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-    if tuple(scale_inv.shape) != blocks:
-        raise CheckpointError(f"weight_scale_inv {list(scale_inv.shape)}, expected {list(blocks)}")
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
-    return weight.float() * scale[:rows, :cols]
+def checked_scales(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight's `weight_scale_inv` as fp32: one scale per 128 x 128 block of the weight
+    `[out, in]`, so `[ceil(out/128), ceil(in/128)]`."""
+    expected = [blocks(n) for n in weight.shape]
+    if list(scale_inv.shape) != expected:
+        raise CheckpointError(f"{name}: {list(scale_inv.shape)}, expected {expected}")
+    return scale_inv.float()
 
 
 def load_weights(model: Transformer, path: Path) -> None:
+    """Every model tensor from the checkpoint at `path`. FP8 checkpoint weights stay FP8 where
+    the model keeps them so and are dequantized elsewhere; other weights are quantized
+    (`quantize_blocks`) where the model keeps them in FP8."""
     files = weight_files(path)
     missing, wrong = [], []
     with ExitStack() as stack, torch.no_grad():
@@ -100,20 +110,26 @@ def load_weights(model: Transformer, path: Path) -> None:
                 handles[file] = stack.enter_context(safe_open(file, framework="pt"))
             return handles[file].get_tensor(name)
 
-        for source, target in checkpoint_tensors(model):
+        for source, target, target_scale in checkpoint_tensors(model):
             if source not in files:
                 missing.append(source)
                 continue
-            value = read(source)
+            value, scale = read(source), None
             if value.dtype == torch.float8_e4m3fn:
-                scale = source.removesuffix("weight") + "weight_scale_inv"
-                if scale not in files:
-                    raise CheckpointError(f"{source} is FP8 but {scale} is missing")
-                value = dequantize_fp8(value, read(scale))
+                scale_name = source.removesuffix("weight") + "weight_scale_inv"
+                if scale_name not in files:
+                    raise CheckpointError(f"{source} is FP8 but {scale_name} is missing")
+                scale = checked_scales(scale_name, value, read(scale_name))
+                if target_scale is None:
+                    value = dequantize_blocks(value, scale)
+            elif target_scale is not None:
+                value, scale = quantize_blocks(value)
             if value.shape != target.shape:
                 wrong.append(f"{source}: {list(value.shape)}, model {list(target.shape)}")
                 continue
             target.copy_(value)
+            if target_scale is not None:
+                target_scale.copy_(scale)
     if missing or wrong:
         listing = [f"missing: {m}" for m in missing[:10]] + [f"shape: {w}" for w in wrong[:10]]
         more = len(missing) + len(wrong) - len(listing)
@@ -129,9 +145,12 @@ def init_random(model: Transformer, seed: int) -> None:
     """Weights from `seed`: N(0, 1/fan_in) for projections (divided by sqrt(2 x layers) for
     those that write into the residual stream), N(0, 1) for embeddings, ones for
     norms, zeros for the routing bias. Each tensor draws from its own generator on its device,
-    seeded from (seed, its checkpoint name): ranks on one kind of device agree."""
+    seeded from (seed, its checkpoint name): ranks on one kind of device agree. FP8 weights
+    are drawn in the model's dtype, then quantized: the weights of the model without FP8,
+    rounded."""
+    dtype = model.embed_tokens.weight.dtype
     with torch.no_grad():
-        for name, tensor in checkpoint_tensors(model):
+        for name, tensor, scale in checkpoint_tensors(model):
             generator = torch.Generator(tensor.device).manual_seed(hash_seed(seed, name))
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
@@ -141,7 +160,13 @@ def init_random(model: Transformer, seed: int) -> None:
                 std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     std /= (2 * model.args.num_hidden_layers) ** 0.5  # a calm residual stream
-                tensor.normal_(0.0, std, generator=generator)
+                if scale is None:
+                    tensor.normal_(0.0, std, generator=generator)
+                    continue
+                dense = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+                values, scales = quantize_blocks(dense.normal_(0.0, std, generator=generator))
+                tensor.copy_(values)
+                scale.copy_(scales)
 
 
 def hash_seed(seed: int, name: str) -> int:

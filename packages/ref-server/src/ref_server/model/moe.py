@@ -49,12 +49,50 @@ class Gate(nn.Module):
         return weights * a.routed_scaling_factor, ids
 
 
-class Experts(nn.Module):
+class RoutedExperts(nn.Module):
+    """What the layouts of a rank's routed experts share: the rows of each expert gathered for
+    grouped GEMMs (`grouped`) or given in fixed-shape blocks (`packed`), around `mlp`, each
+    expert's SwiGLU MLP, which `Experts` (bf16 or fp32) and `FP8Experts` define."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+
+    def mlp(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows through their experts: x `[m, hidden]` grouped by expert, group g ending at row
+        offsets[g] (`[e]` int32), or x `[e, rows, hidden]` with offsets None. Out: x's shape."""
+        raise NotImplementedError
+
+    def grouped(self, x, ids, weights) -> torch.Tensor:
+        """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: on another rank), weights `[n, k]`:
+        each token's weighted sum of its experts' outputs, through `mlp` over the rows sorted
+        by expert, with nothing that waits for the GPU: rows for other ranks' experts (-1) sort
+        after every group, and each token's k outputs are summed in fp32 in slot order."""
+        k = ids.shape[1]
+        valid = ids.flatten() >= 0
+        expert = torch.where(valid, ids.flatten(), self.num_experts)
+        order = expert.argsort(stable=True)
+        ends = torch.arange(1, self.num_experts + 1, device=ids.device)
+        offsets = torch.searchsorted(expert[order], ends, out_int32=True)
+        y = self.mlp(x[order // k], offsets)
+        per_slot = torch.empty_like(y, dtype=torch.float32)
+        per_slot[order] = y.float()  # rows past the last group are left unwritten: masked below
+        weighted = torch.where(valid[:, None], per_slot * weights.flatten()[:, None], 0.0)
+        return weighted.unflatten(0, ids.shape).sum(dim=1).to(x.dtype)
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[e, rows, hidden]`, row i of expert e a token for it: each row through its
+        expert, unweighted (a low-latency combine weighs them). Every row runs, valid or not,
+        so the shapes are fixed (what CUDA graphs need)."""
+        return self.mlp(x)
+
+
+class Experts(RoutedExperts):
     """This rank's routed experts, stacked (SwiGLU MLPs): gate_up_proj `[e, 2 * inter, hidden]`
     (each expert's gate_proj rows, then its up_proj rows), down_proj `[e, hidden, inter]`."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
-        super().__init__()
+        super().__init__(num_experts)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
@@ -74,30 +112,14 @@ class Experts(nn.Module):
             out.index_add_(0, token, y.to(x.dtype))
         return out
 
-    def grouped(self, x, ids, weights) -> torch.Tensor:
-        """The same with one grouped GEMM per projection over the rows sorted by expert, and
-        nothing that waits for the GPU: rows for other ranks' experts (-1) sort after every
-        group, and each token's k outputs are summed in fp32 in slot order."""
-        num_experts, k = self.gate_up_proj.shape[0], ids.shape[1]
-        valid = ids.flatten() >= 0
-        expert = torch.where(valid, ids.flatten(), num_experts)
-        order = expert.argsort(stable=True)
-        ends = torch.arange(1, num_experts + 1, device=ids.device)
-        offsets = torch.searchsorted(expert[order], ends, out_int32=True)
-        hidden = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offsets)
-        gate, up = hidden.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        per_slot = torch.empty_like(y, dtype=torch.float32)
-        per_slot[order] = y.float()  # rows past the last group are left unwritten: masked below
-        weighted = torch.where(valid[:, None], per_slot * weights.flatten()[:, None], 0.0)
-        return weighted.unflatten(0, ids.shape).sum(dim=1).to(x.dtype)
+    def mlp(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        def project(rows, weight):
+            if offsets is None:
+                return torch.bmm(rows, weight.transpose(1, 2))
+            return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
 
-    def packed(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[e, rows, hidden]`, row i of expert e a token for it: each row through its
-        expert, unweighted (a low-latency combine weighs them). Every row runs, valid or not,
-        so the shapes are fixed (what CUDA graphs need)."""
-        gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
+        return project(F.silu(gate) * up, self.down_proj)
 
 
 class MoE(nn.Module):
@@ -131,7 +153,8 @@ class MoE(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.experts.down_proj.dtype
+        """The activations' (the router keeps it when the experts are FP8)."""
+        return self.gate.weight.dtype
 
     def operation(self, name: str):
         return getattr(self, "op_" + name)

@@ -1,0 +1,158 @@
+"""FP8 weights as DeepSeek-V3 stores them, and the block-scaled GEMM that uses them.
+
+Weights are float8_e4m3fn with one fp32 scale per 128 x 128 block (`weight_scale_inv`, the
+checkpoint's name: weight ~= values * scale); activations are quantized on the fly with one
+scale per token and 128 channels (ep_comm's `per_token_cast_to_fp8`, the cast its FP8
+dispatch uses). `fp8_block_gemm` multiplies the two with fp32 accumulation. Its body is the
+reference: both operands dequantized to fp32, then a matmul (CPU and GPU, correct, slow). A
+fast GPU kernel (Triton, or torch's scaled GEMMs where they take these scales) replaces that
+body and nothing else.
+
+`use_fp8(model)` swaps a model's projections for `FP8Linear` and its routed experts for
+`FP8Experts`; the loader then fills them from FP8 checkpoints as stored, or quantizes bf16
+weights with `quantize_blocks`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
+from ref_server.model.moe import Experts, RoutedExperts
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w `[..., out, in]` (any float dtype) to e4m3 values `[..., out, in]` and scale_inv
+    `[..., ceil(out/128), ceil(in/128)]` fp32: per 128 x 128 block (the last ones partial),
+    scale_inv = amax / 448 (amax floored at 1e-4), values = w / scale_inv saturated to +-448."""
+    rows, cols = w.shape[-2:]
+    padded = F.pad(w.float(), (0, blocks(cols) * BLOCK - cols, 0, blocks(rows) * BLOCK - rows))
+    tiles = padded.unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))  # [.., R, 128, C, 128]
+    amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=AMAX_FLOOR)
+    scale_inv = amax / FP8_MAX
+    values = (tiles / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.flatten(-4, -3).flatten(-2)[..., :rows, :cols].contiguous(), scale_inv
+
+
+def dequantize_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """e4m3 `[..., out, in]` times its block scales `[..., ceil(out/128), ceil(in/128)]`: fp32."""
+    rows, cols = w_fp8.shape[-2:]
+    scale = scale_inv.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    return w_fp8.float() * scale[..., :rows, :cols]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[..., k]` (bf16 or fp32) to e4m3 values `[..., k]` and scales `[..., ceil(k/128)]`
+    fp32, one per token and 128 channels (`per_token_cast_to_fp8`; a partial last group is
+    padded with zeros, which leave its amax alone)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if k % BLOCK:
+        rows = F.pad(rows, (0, blocks(k) * BLOCK - k))
+    values, scales = per_token_cast_to_fp8(rows)
+    return values[:, :k].reshape(x.shape), scales.reshape(*x.shape[:-1], -1)
+
+
+def dequantize_activations(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 `[..., k]` times its scales `[..., ceil(k/128)]`: fp32."""
+    return x_fp8.float() * scales.repeat_interleave(BLOCK, -1)[..., : x_fp8.shape[-1]]
+
+
+def fp8_block_gemm(
+    x_fp8: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scales: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """x @ w^T with fp32 accumulation, in out_dtype. x_fp8 e4m3 with x_scales fp32 from
+    `quantize_activations`, w_fp8 e4m3 with w_scales fp32 from `quantize_blocks`, one of:
+    - w `[n, k]`, scales `[ceil(n/128), ceil(k/128)]`; x `[..., m, k]`: a linear layer;
+    - w `[e, n, k]`, scales `[e, ...]`; x `[e, m, k]`: one expert per batch (packed rows);
+    - the same w; x `[m, k]` with rows grouped by expert, group g ending at row offsets[g]
+      (`[e]` int32, torch._grouped_mm's convention; rows past offsets[-1] come out unspecified).
+    Out: `[..., m, n]`.
+
+    The reference: both operands dequantized to fp32, then one matmul. A fast kernel goes here.
+    """
+    x = dequantize_activations(x_fp8, x_scales)
+    w = dequantize_blocks(w_fp8, w_scales).transpose(-2, -1)
+    out = x @ w if offsets is None else torch._grouped_mm(x, w, offs=offsets)
+    return out.to(out_dtype)
+
+
+class FP8Linear(nn.Module):
+    """A linear layer without bias in FP8: buffers `weight` `[out, in]` e4m3 and
+    `weight_scale_inv` `[ceil(out/128), ceil(in/128)]` fp32 (the checkpoint's names). Inputs
+    are quantized per token and 128 channels; outputs come in the input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
+        scales = torch.empty(blocks(out_features), blocks(in_features), dtype=torch.float32)
+        self.register_buffer("weight_scale_inv", scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., in]` to `[..., out]`, both bf16 or fp32."""
+        x_fp8, scales = quantize_activations(x)
+        return fp8_block_gemm(x_fp8, scales, self.weight, self.weight_scale_inv, None, x.dtype)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight `[out, in]` in dtype (absorbed decode multiplies by it directly)."""
+        return dequantize_blocks(self.weight, self.weight_scale_inv).to(dtype)
+
+
+class FP8Experts(RoutedExperts):
+    """This rank's routed experts in FP8: gate_proj and up_proj `[e, inter, hidden]`, down_proj
+    `[e, hidden, inter]` e4m3, each with `<name>_scale_inv` `[e, ceil(out/128), ceil(in/128)]`
+    fp32. Gate and up stay separate tensors (bf16 `Experts` stacks them) so that each keeps
+    the checkpoint's 128 x 128 blocks when inter is not a multiple of 128; both are multiplied
+    with the same quantized rows."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__(num_experts)
+        shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden)}
+        shapes["down_proj"] = (hidden, inter)
+        for name, (rows, cols) in shapes.items():
+            self.register_buffer(name, torch.empty(num_experts, rows, cols, dtype=FP8))
+            scales = torch.empty(num_experts, blocks(rows), blocks(cols), dtype=torch.float32)
+            self.register_buffer(name + "_scale_inv", scales)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `Experts.forward`, always through the grouped GEMMs."""
+        return self.grouped(x, ids, weights)
+
+    def mlp(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        def project(rows, name):
+            weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
+            return fp8_block_gemm(*rows, weight, scales, offsets, x.dtype)
+
+        rows = quantize_activations(x)
+        hidden = F.silu(project(rows, "gate_proj")) * project(rows, "up_proj")
+        return project(quantize_activations(hidden), "down_proj")
+
+
+def use_fp8(model: nn.Module) -> None:
+    """Swap, in place, what DeepSeek-V3 checkpoints store in FP8 for empty FP8 modules (on the
+    current default device): every `nn.Linear` but the output head (attention projections,
+    dense and shared-expert MLPs) and every layer's routed `Experts`."""
+    head = getattr(model, "lm_head", None)
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, Experts):
+                setattr(module, name, FP8Experts(*child.down_proj.shape))
+            elif isinstance(child, nn.Linear) and child is not head:
+                setattr(module, name, FP8Linear(child.in_features, child.out_features))
