@@ -330,3 +330,16 @@ def test_the_cli_knows_the_two_batch_modes():
         ServeConfig(two_batch="yes")
     with pytest.raises(ValueError, match="two_batch_decode_tokens must be >= 2"):
         ServeConfig(two_batch_decode_tokens=1)
+
+
+def test_fp8_weights_are_a_serving_choice_and_part_of_the_fingerprint():
+    import ref_server.model.fp8 as fp8
+    from ref_server.services.servers import load_model, model_fingerprint
+
+    with pytest.raises(ValueError, match="weight_dtype must be one of dense, fp8, got 'int4'"):
+        ServeConfig(weight_dtype="int4")
+    dense, fp8_config = ServeConfig(device="cpu"), ServeConfig(device="cpu", weight_dtype="fp8")
+    assert model_fingerprint(dense) != model_fingerprint(fp8_config)
+    model = load_model(fp8_config, None)
+    assert any(isinstance(m, fp8.FP8Linear) for m in model.modules())
+    assert not any(isinstance(m, fp8.FP8Linear) for m in load_model(dense, None).modules())

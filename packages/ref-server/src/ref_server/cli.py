@@ -14,7 +14,13 @@ import signal
 import sys
 
 from ref_server import __version__, economics
-from ref_server.services.config import PRESET_NAMES, ROLES, TWO_BATCH, ServeConfig
+from ref_server.services.config import (
+    PRESET_NAMES,
+    ROLES,
+    TWO_BATCH,
+    WEIGHT_DTYPES,
+    ServeConfig,
+)
 
 DEFAULT_PRESET = "deepseek-day6"
 
@@ -23,7 +29,7 @@ SETTING_GROUPS = {
     "what runs, and where": (
         "role", "host", "port", "http_port", "prefill_instances", "decode_instances",
     ),
-    "model": ("preset", "model", "seed", "device"),
+    "model": ("preset", "model", "seed", "weight_dtype", "device"),
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "two_batch", "two_batch_decode_tokens",
@@ -51,7 +57,12 @@ METAVARS = {
     "tls_key": "FILE",
     "internal_secret_file": "FILE",
 }
-CHOICES = {"role": ROLES, "preset": PRESET_NAMES, "two_batch": TWO_BATCH}
+CHOICES = {
+    "role": ROLES,
+    "preset": PRESET_NAMES,
+    "two_batch": TWO_BATCH,
+    "weight_dtype": WEIGHT_DTYPES,
+}
 # `demo` always runs --role all, which sets these itself for its processes.
 NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address")
 

@@ -12,6 +12,7 @@ from ref_server.config_file import read_toml
 
 ROLES = ("router", "prefill", "decode", "all")
 TWO_BATCH = ("auto", "on", "off")  # ref_server.engine.model_runner.TWO_BATCH_MODES
+WEIGHT_DTYPES = ("dense", "fp8")
 PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -39,6 +40,12 @@ class ServeConfig:
         None, "a Hugging Face DeepSeek-V3 checkpoint directory to load instead of a preset"
     )
     seed: int = _setting(0, "seed of a preset's random weights")
+    weight_dtype: str = _setting(
+        "dense",
+        "dense: weights in the compute dtype (bf16 on CUDA, float32 on CPU; FP8 checkpoints "
+        "dequantized at load); fp8: projections kept in FP8 with 128x128 block scales, as "
+        "DeepSeek serves V3 (half the memory; its GEMMs are still a slow reference)",
+    )
     device: str = _setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     num_blocks: int = _setting(512, "KV cache pages per instance")
     block_size: int = _setting(64, "tokens per KV page")
@@ -105,6 +112,10 @@ class ServeConfig:
             problems.append(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.model and self.preset not in PRESET_NAMES:
             problems.append(f"unknown preset {self.preset!r}; presets: {', '.join(PRESET_NAMES)}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            problems.append(
+                f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
+            )
         if self.two_batch not in TWO_BATCH:
             problems.append(
                 f"two_batch must be one of {', '.join(TWO_BATCH)}, got {self.two_batch!r}"

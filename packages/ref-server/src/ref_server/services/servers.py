@@ -69,8 +69,9 @@ def model_args(config: ServeConfig) -> M.ModelArgs:
 
 def model_fingerprint(config: ServeConfig) -> str:
     """Equal for two configs exactly when they load the same weights (a checkpoint's config
-    and weight files, or a preset and its seed)."""
+    and weight files, or a preset and its seed, and the weights' dtype)."""
     digest = hashlib.blake2b(digest_size=16)
+    digest.update(config.weight_dtype.encode())
     if config.model:
         path = Path(config.model)
         digest.update((path / "config.json").read_bytes())
@@ -123,9 +124,14 @@ def load_model(config: ServeConfig, group: dist.ProcessGroup | None) -> M.Model:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
+    weights = dict(dtype=dtype, device=device, group=group, weight_dtype=_weight_dtype(config))
     if config.model:
-        return M.from_pretrained(config.model, dtype=dtype, device=device, group=group)
-    return M.from_preset(config.preset, seed=config.seed, dtype=dtype, device=device, group=group)
+        return M.from_pretrained(config.model, **weights)
+    return M.from_preset(config.preset, seed=config.seed, **weights)
+
+
+def _weight_dtype(config: ServeConfig) -> str | None:
+    return None if config.weight_dtype == "dense" else config.weight_dtype
 
 
 def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
