@@ -243,22 +243,12 @@ class NvshmemLowLatency:
 
         return receive
 
-    def dispatch_send(
-        self,
-        slot,
-        x,
-        topk_idx,
-        num_max_dispatch_tokens_per_rank,
-        num_experts,
-        use_fp8,
-        round_scale,
-        use_ue8m0,
-        cumulative_local_expert_recv_stats,
-        dispatch_wait_recv_cost_stats,
-        out,
-    ):
-        """x [n, H] bf16, topk_idx [n, k] int64 in; `out` (a LowLatencyReceive) is filled by the
+    def dispatch_send(self, slot: int, call, out):
+        """call: a LowLatencyDispatchCall; `out` (a LowLatencyReceive) is filled by the
         returned `receive()`."""
+        x, topk_idx, num_experts = call.x, call.topk_idx, call.num_experts
+        num_max_dispatch_tokens_per_rank = call.num_max_dispatch_tokens_per_rank
+        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats = call.stats
         hidden = x.shape[1]
         send_bytes = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         p = LLDispatchParams(
@@ -271,9 +261,9 @@ class NvshmemLowLatency:
             hidden=hidden,
             max_tokens=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts,
-            use_fp8=int(use_fp8),
-            round_scale=int(round_scale),
-            use_ue8m0=int(use_ue8m0),
+            use_fp8=int(call.use_fp8),
+            round_scale=int(call.round_scale),
+            use_ue8m0=int(call.use_ue8m0),
             message_bytes=message_bytes(hidden),
             recv_x=out.x.data_ptr(),
             recv_scales=_ptr(out.scales),
@@ -291,20 +281,11 @@ class NvshmemLowLatency:
         tensors = (x, topk_idx, *stats, *outputs)
         return self._sent(self.lib.ep_ll_dispatch_recv, p, "dispatch", tensors)
 
-    def combine_send(
-        self,
-        slot,
-        x,
-        topk_idx,
-        topk_weights,
-        handle,
-        zero_copy,
-        combine_wait_recv_cost_stats,
-        out,
-    ):
-        """x [E_local, R*T, H] bf16 (the combine_buffer view when zero_copy), this rank's
-        topk_idx [n, k] int64 and topk_weights [n, k] fp32; out [n, H] bf16 is filled by the
-        returned `receive()`."""
+    def combine_send(self, slot: int, call, out):
+        """call: a LowLatencyCombineCall (x is the combine_buffer view when zero_copy); out
+        [n, H] bf16 is filled by the returned `receive()`."""
+        x, topk_idx, topk_weights, handle = call.x, call.topk_idx, call.topk_weights, call.handle
+        combine_wait_recv_cost_stats = call.combine_wait_recv_cost_stats
         T, hidden = handle.num_max_dispatch_tokens_per_rank, handle.hidden
         send_bytes = self._layout(T, hidden, handle.num_experts)
         p = LLCombineParams(
@@ -320,7 +301,7 @@ class NvshmemLowLatency:
             hidden=hidden,
             max_tokens=T,
             num_experts=handle.num_experts,
-            zero_copy=int(zero_copy),
+            zero_copy=int(call.zero_copy),
             wait_cost_stats=_ptr(combine_wait_recv_cost_stats),
         )
         self._check(self.lib.ep_ll_combine_send(ctypes.byref(p), self._stream()), "combine")

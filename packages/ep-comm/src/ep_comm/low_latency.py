@@ -11,6 +11,7 @@ torch.distributed, `cuda_low_latency` over NVSHMEM. See docs/ep-comm.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -137,6 +138,38 @@ class LowLatencyReceive:
     layout_range: torch.Tensor  # [E_local, R] int64
 
 
+@dataclass(frozen=True)
+class LowLatencyDispatchCall:
+    """One low_latency_dispatch's arguments, built once and handed to the checks and the
+    backend (the shapes are those of `Buffer.low_latency_dispatch`)."""
+
+    x: torch.Tensor  # [num_tokens, H] bf16
+    topk_idx: torch.Tensor  # [num_tokens, k] int64, global expert ids or -1
+    num_max_dispatch_tokens_per_rank: int  # T
+    num_experts: int
+    cumulative_local_expert_recv_stats: torch.Tensor | None  # [E_local] int32, added to
+    dispatch_wait_recv_cost_stats: torch.Tensor | None  # [R] int64 ns, added to
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+
+    @property
+    def stats(self) -> tuple:
+        return self.cumulative_local_expert_recv_stats, self.dispatch_wait_recv_cost_stats
+
+
+@dataclass(frozen=True)
+class LowLatencyCombineCall:
+    """One low_latency_combine's arguments (shapes as in `Buffer.low_latency_combine`)."""
+
+    x: torch.Tensor  # [E_local, R * T, H] bf16 (ignored with zero_copy)
+    topk_idx: torch.Tensor  # [num_tokens, k] int64, as dispatched
+    topk_weights: torch.Tensor  # [num_tokens, k] fp32
+    handle: LowLatencyHandle
+    zero_copy: bool
+    combine_wait_recv_cost_stats: torch.Tensor | None  # [R] int64 ns, added to
+
+
 class LowLatencyBackend(Protocol):
     """Moves the data. `slot` (0 or 1) is the double buffer a call uses: it flips at every LL
     call, on every rank alike."""
@@ -145,38 +178,19 @@ class LowLatencyBackend(Protocol):
     error_flag: torch.Tensor
 
     def dispatch_send(
-        self,
-        slot: int,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        cumulative_local_expert_recv_stats: torch.Tensor | None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None,
-        out: LowLatencyReceive,
+        self, slot: int, call: LowLatencyDispatchCall, out: LowLatencyReceive
     ) -> Callable[[], None]:
         """Enqueue the send on the current stream; the returned `receive` enqueues the receive
         on the stream current when it is called and fills `out` (and adds to the stats)."""
         ...
 
     def combine_send(
-        self,
-        slot: int,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        combine_wait_recv_cost_stats: torch.Tensor | None,
-        out: torch.Tensor,
+        self, slot: int, call: LowLatencyCombineCall, out: torch.Tensor
     ) -> Callable[[], None]:
-        """x `[E_local, R * T, H]` bf16 (with zero_copy: `combine_buffer(slot, handle)` instead);
-        `receive` fills out `[num_tokens, H]` bf16 with sum_k w[t, k] * row(topk_idx[t, k], t),
-        each product rounded to fp32 and added in k order (no fused multiply-add), skipping -1,
-        rounded to bf16 once."""
+        """call.x (with zero_copy: `combine_buffer(slot, handle)` instead); `receive` fills out
+        `[num_tokens, H]` bf16 with sum_k w[t, k] * row(topk_idx[t, k], t), each product
+        rounded to fp32 and added in k order (no fused multiply-add), skipping -1, rounded to
+        bf16 once."""
         ...
 
     def combine_buffer(self, slot: int, handle: LowLatencyHandle) -> torch.Tensor:
@@ -287,22 +301,20 @@ class LowLatencyMode:
         return_recv_hook: bool = False,
     ):
         step = "low_latency_dispatch"
-        tokens = num_max_dispatch_tokens_per_rank
-        hidden = int(x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 2 else None
-        problem = checks.problem_of(
-            self._check_dispatch,
+        call = LowLatencyDispatchCall(
             x,
             topk_idx,
-            tokens,
+            num_max_dispatch_tokens_per_rank,
             num_experts,
             cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats,
             use_fp8,
             round_scale,
             use_ue8m0,
-            async_finish,
-            return_recv_hook,
         )
+        tokens = num_max_dispatch_tokens_per_rank
+        hidden = int(x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+        problem = checks.problem_of(self._check_dispatch, call, async_finish, return_recv_hook)
         signature = {
             "num_topk": last_dim(topk_idx),
             "use_fp8": bool(use_fp8),
@@ -313,24 +325,9 @@ class LowLatencyMode:
         }
         slot = self._agree(step, (tokens, hidden, num_experts), problem, signature, x)
         out = self._allocate_receive(tokens, hidden, num_experts, use_fp8, use_ue8m0)
-        stats = (cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
-
-        def send() -> Callable[[], None]:
-            flags = (use_fp8, round_scale, use_ue8m0)
-            return self.impl.dispatch_send(
-                slot, x, topk_idx, tokens, num_experts, *flags, *stats, out
-            )
-
-        tensors = (
-            x,
-            topk_idx,
-            *stats,
-            out.x,
-            out.scales,
-            out.count,
-            out.src_info,
-            out.layout_range,
-        )
+        outputs = (out.x, out.scales, out.count, out.src_info, out.layout_range)
+        tensors = (x, topk_idx, *call.stats, *outputs)
+        send = functools.partial(self.impl.dispatch_send, slot, call, out)
         event, hook = self._run(step, slot, send, tensors, async_finish, return_recv_hook)
         recv_x = (out.x, out.scales) if use_fp8 else out.x
         handle = LowLatencyHandle(out.src_info, out.layout_range, tokens, hidden, num_experts)
@@ -350,18 +347,11 @@ class LowLatencyMode:
         combine_wait_recv_cost_stats: torch.Tensor | None = None,
     ):
         step = "low_latency_combine"
+        call = LowLatencyCombineCall(
+            x, topk_idx, topk_weights, handle, zero_copy, combine_wait_recv_cost_stats
+        )
         problem = checks.problem_of(
-            self._check_combine,
-            x,
-            topk_idx,
-            topk_weights,
-            handle,
-            use_logfmt,
-            zero_copy,
-            async_finish,
-            return_recv_hook,
-            out,
-            combine_wait_recv_cost_stats,
+            self._check_combine, call, use_logfmt, async_finish, return_recv_hook, out
         )
         layout = tuple(handle[2:]) if isinstance(handle, LowLatencyHandle) else (None,) * 3
         signature = {
@@ -375,13 +365,7 @@ class LowLatencyMode:
             out = torch.empty(
                 (topk_idx.shape[0], handle.hidden), dtype=torch.bfloat16, device=x.device
             )
-
-        def send() -> Callable[[], None]:
-            stats = combine_wait_recv_cost_stats
-            return self.impl.combine_send(
-                slot, x, topk_idx, topk_weights, handle, zero_copy, stats, out
-            )
-
+        send = functools.partial(self.impl.combine_send, slot, call, out)
         tensors = (x, topk_idx, topk_weights, *handle[:2], combine_wait_recv_cost_stats, out)
         event, hook = self._run(step, slot, send, tensors, async_finish, return_recv_hook)
         return out, event, hook
@@ -418,25 +402,15 @@ class LowLatencyMode:
     def destroy(self) -> None:
         self.impl.destroy()
 
-    def _check_dispatch(
-        self,
-        x,
-        topk_idx,
-        tokens,
-        num_experts,
-        cumulative_stats,
-        wait_stats,
-        use_fp8,
-        round_scale,
-        use_ue8m0,
-        async_finish,
-        return_recv_hook,
-    ) -> None:
+    def _check_dispatch(self, call: LowLatencyDispatchCall, async_finish, return_recv_hook) -> None:
+        x, topk_idx, tokens = call.x, call.topk_idx, call.num_max_dispatch_tokens_per_rank
+        num_experts, use_ue8m0 = call.num_experts, call.use_ue8m0
+        cumulative_stats, wait_stats = call.stats
         num_ranks = self.comm.size
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError("x must be a [num_tokens, hidden] bf16 tensor")
         checks.check_tensor("x", x, torch.bfloat16, (None, None), x.device)
-        if use_ue8m0 and not (use_fp8 and round_scale):
+        if use_ue8m0 and not (call.use_fp8 and call.round_scale):
             raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True")
         llchecks.check_layout(tokens, x.shape[1], num_experts, num_ranks, use_ue8m0)
         llchecks.check_topk(topk_idx, x.shape[0], tokens, x.device)
@@ -450,18 +424,10 @@ class LowLatencyMode:
         llchecks.check_expert_values(topk_idx, num_experts)
 
     def _check_combine(
-        self,
-        x,
-        topk_idx,
-        topk_weights,
-        handle,
-        use_logfmt,
-        zero_copy,
-        async_finish,
-        return_recv_hook,
-        out,
-        wait_stats,
+        self, call: LowLatencyCombineCall, use_logfmt, async_finish, return_recv_hook, out
     ) -> None:
+        x, topk_idx, topk_weights, handle = call.x, call.topk_idx, call.topk_weights, call.handle
+        wait_stats = call.combine_wait_recv_cost_stats
         num_ranks = self.comm.size
         if use_logfmt:
             raise ValueError("use_logfmt=True is not supported in this version")
@@ -485,7 +451,7 @@ class LowLatencyMode:
         llchecks.check_flags(async_finish, return_recv_hook)
         self._check_device(x.device)
         llchecks.check_expert_values(topk_idx, num_experts)
-        if zero_copy and self._staged_for != self._calls:
+        if call.zero_copy and self._staged_for != self._calls:
             raise ValueError(
                 "zero_copy=True reads what was written into get_next_low_latency_combine_buffer"
                 "(handle), which must come right before this call: "

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ep_comm.collectives import Collectives
 from ep_comm.low_latency import (
+    LowLatencyCombineCall,
+    LowLatencyDispatchCall,
     LowLatencyHandle,
     LowLatencyReceive,
     pack_ue8m0,
@@ -99,27 +101,16 @@ class TorchLowLatency:
             self._combine_buffers[slot] = buffer
         return buffer
 
-    def dispatch_send(
-        self,
-        slot: int,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        num_max_dispatch_tokens_per_rank: int,
-        num_experts: int,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        cumulative_local_expert_recv_stats: torch.Tensor | None,
-        dispatch_wait_recv_cost_stats: torch.Tensor | None,
-        out: LowLatencyReceive,
-    ):
-        del slot, num_max_dispatch_tokens_per_rank  # each call has its own tensors
+    def dispatch_send(self, slot: int, call: LowLatencyDispatchCall, out: LowLatencyReceive):
+        del slot  # each call has its own tensors
+        x, topk_idx, num_experts = call.x, call.topk_idx, call.num_experts
+        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats = call.stats
         local_experts = num_experts // self.size
         token, expert = _messages(topk_idx)
         pieces = [x]
-        if use_fp8:
-            values, scale_inv = per_token_cast_to_fp8(x, round_scale)
-            pieces = [values, pack_ue8m0(scale_inv) if use_ue8m0 else scale_inv]
+        if call.use_fp8:
+            values, scale_inv = per_token_cast_to_fp8(x, call.round_scale)
+            pieces = [values, pack_ue8m0(scale_inv) if call.use_ue8m0 else scale_inv]
         words = [_words(p) for p in pieces]
         widths = [w.shape[1] for w in words]
         rows = torch.cat([torch.cat(words, dim=1)[token], token.to(torch.int32).unsqueeze(1)], 1)
@@ -144,19 +135,10 @@ class TorchLowLatency:
 
         return receive
 
-    def combine_send(
-        self,
-        slot: int,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        combine_wait_recv_cost_stats: torch.Tensor | None,
-        out: torch.Tensor,
-    ):
+    def combine_send(self, slot: int, call: LowLatencyCombineCall, out: torch.Tensor):
+        x, topk_idx, topk_weights, handle = call.x, call.topk_idx, call.topk_weights, call.handle
         tokens = handle.num_max_dispatch_tokens_per_rank
-        rows_of = self.combine_buffer(slot, handle) if zero_copy else x
+        rows_of = self.combine_buffer(slot, handle) if call.zero_copy else x
         local_experts = handle.num_experts // self.size
         layout = handle.layout_range.cpu()
         begin, count = layout >> 32, layout & 0xFFFFFFFF  # [local expert, source rank]
@@ -181,8 +163,8 @@ class TorchLowLatency:
             values = words.contiguous().view(torch.bfloat16)
             key = expert.squeeze(1).long() * tokens + token.squeeze(1).long()
             out.copy_(_weighted_sum(values, key, topk_idx, topk_weights, tokens))
-            if combine_wait_recv_cost_stats is not None:
-                combine_wait_recv_cost_stats.add_(waited)
+            if call.combine_wait_recv_cost_stats is not None:
+                call.combine_wait_recv_cost_stats.add_(waited)
 
         return receive
 
