@@ -1,20 +1,34 @@
 """Prefill and decode throughput of the model, next to the roofline from FLOPs and bytes.
 
     python benchmarks/bench_model.py [--preset v2-lite] [--layers N] [--prompt 512]
-                                     [--batches 1,8,32,128,256] [--json results.json]
+                                     [--batches 1,8,32,128,256] [--weight-dtype bf16|fp8]
+                                     [--profile] [--trace PATH] [--json results.json]
 
 Random weights from the preset (`--layers` keeps the first N layers, to fit a smaller device;
-the default on CPU is `tiny`). For each batch size: one cached prefill step of `--prompt`
-tokens per sequence, then `--steps` decode steps of one token per sequence (absorbed MLA through
-mla_kernels), eagerly and replayed from CUDA graphs (`DecodeGraphs`, on CUDA), each timed as the
-median of its repetitions with the device synchronized. The ratio is of the graphs' figure.
+the default on CPU is `tiny`); `--weight-dtype fp8` keeps the projections DeepSeek stores in
+FP8 as e4m3 with 128 x 128 block scales (`from_args(weight_dtype="fp8")`). For each batch
+size: one cached prefill step of `--prompt` tokens per sequence, then `--steps` decode steps of
+one token per sequence (absorbed MLA through mla_kernels), eagerly and replayed from CUDA
+graphs (`DecodeGraphs`, on CUDA), each timed as the median of its repetitions with the device
+synchronized. The ratio is of the graphs' figure.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
 decompressed heads; decode: 576 + 512 wide products over the cached context) and bytes =
 the weights the step touches (attention, dense layers, shared experts, the routed experts
-that the batch's tokens can reach) + the latent cache read (decode); the bound is the slower of
-FLOPs / matmul ceiling and bytes / copy ceiling.
+that the batch's tokens can reach; FP8 ones at 1 byte plus their block scales, as
+`ModelArgs.weight_bytes_per_gpu` counts them) + the latent cache read (decode); the bound is
+the slower of FLOPs / matmul ceiling and bytes / copy ceiling. The matmul ceiling is the
+activations' dtype's (bf16 on CUDA) with FP8 weights too: attention and the head stay bf16,
+so a step has no single FP8 rate; an FP8 run also measures torch._scaled_mm (e4m3, per-tensor
+scales, 8192^3) and prints it beside, for the headroom of the projections alone.
+
+`--profile`: at the first batch size, each step's kernels from torch.profiler (on the CPU, its
+ops by self time): the total, the count, and the 20 that took the longest, with the whole
+table in the JSON under `profile`. The decode step is a replay of its CUDA graph, or, where
+the profiler sees no kernels in a replay, the eager step (the output says which).
+`--trace PATH` (implies `--profile`) also writes each step's Chrome trace, PATH with
+`-prefill` and `-decode` before its suffix.
 """
 
 from __future__ import annotations
@@ -24,8 +38,11 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import ref_server.model as M
 from ref_server.model import StepBatch
@@ -59,24 +76,106 @@ def ceilings(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     return flops, copy
 
 
-def step_cost(args: M.ModelArgs, batch: int, new: int, context: int, cache_bytes: int):
-    """(FLOPs, bytes) of one step: `batch` sequences, `new` tokens each, `context` cached after."""
-    h, heads, layers = args.hidden_size, args.num_attention_heads, args.num_hidden_layers
-    moe_layers = layers - args.first_k_dense_replace
+def fp8_ceiling(device: torch.device) -> float:
+    """Measured FP8 matmul FLOP/s: torch._scaled_mm of e4m3 operands with per-tensor scales
+    (the second column-major, as it requires), bf16 out, at 8192^3."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+
+    def matmul():
+        return torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+
+    return 2 * n**3 / median_seconds(matmul, device, 10)
+
+
+def weight_bytes(args: M.ModelArgs, tokens: int, weight_dtype: str) -> float:
+    """Bytes of the weights a step of `tokens` tokens reads, as `ModelArgs.weight_bytes_per_gpu`
+    counts them: all but the embedding table (a lookup) and the routed experts no token can
+    reach."""
+    experts = args.n_routed_experts
+    everything = args.weight_bytes_per_gpu(1, weight_dtype)
+    # split over one rank per expert a GPU keeps one routed expert a layer: experts - 1 fewer
+    one_each = args.weight_bytes_per_gpu(experts, weight_dtype)
+    expert = (everything - one_each) / max(experts - 1, 1)  # one expert in every MoE layer
+    reachable = min(experts, tokens * args.num_experts_per_tok)
+    return everything - (experts - reachable) * expert - 2 * args.vocab_size * args.hidden_size
+
+
+def step_cost(
+    args: M.ModelArgs, batch: int, new: int, context: int, cache_bytes: int, weight_dtype: str
+):
+    """(FLOPs, bytes) of one step: `batch` sequences, `new` tokens each, `context` cached after,
+    weights in weight_dtype ("bf16" or "fp8")."""
+    heads, layers = args.num_attention_heads, args.num_hidden_layers
     tokens = batch * new
     if new == 1:  # absorbed decode: products 576 and 512 wide over the latent cache
         flops = args.matmul_flops(batch) + 2 * layers * batch * heads * (576 + 512) * context
     else:
         flops = batch * args.prefill_flops(new, context - new)
-    reachable = min(args.n_routed_experts, tokens * args.num_experts_per_tok)
-    unreached = (args.n_routed_experts - reachable) * args.expert_parameters()
-    weights = (args.num_parameters() - moe_layers * unreached - args.vocab_size * h) * 2
     cache = layers * batch * context * cache_bytes if new == 1 else layers * tokens * cache_bytes
-    return flops, weights + cache
+    return flops, weight_bytes(args, tokens, weight_dtype) + cache
 
 
-def run(model, batch: int, prompt: int, steps: int, device, reps: int):
-    """Seconds of a prefill step and of a decode step, eager and (on CUDA) from CUDA graphs."""
+def profile_step(fn, device: torch.device, source: str, trace: str | None = None) -> dict:
+    """One call of fn under torch.profiler. On CUDA: every kernel (and copy) it ran on the GPU,
+    by name, with its count and total time; on the CPU, which has no kernels: every op by its
+    self time. Sorted by time, with each one's share; source: what fn runs, for the reader."""
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    if trace:
+        prof.export_chrome_trace(trace)
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if gpu and (event.device_type != DeviceType.CUDA or event.is_user_annotation):
+            continue
+        entry = totals.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time_total if gpu else event.self_cpu_time_total
+    total_us = sum(us for _, us in totals.values())
+    table = [
+        dict(name=name, count=count, total_ms=us / 1e3, share=us / total_us if total_us else 0.0)
+        for name, (count, us) in sorted(totals.items(), key=lambda item: -item[1][1])
+    ]
+    return dict(
+        source=source,
+        what="kernels" if gpu else "CPU ops",
+        total_ms=total_us / 1e3,
+        count=sum(count for count, _ in totals.values()),
+        table=table,
+    )
+
+
+def print_profile(step: str, batch: int, found: dict, top: int = 20) -> None:
+    what = found["what"]
+    print(
+        f"\n{step} step, batch {batch} ({found['source']}): {found['total_ms']:.3f} ms in "
+        f"{found['count']} {what}; the {min(top, len(found['table']))} longest:"
+    )
+    print(f"{'share':>6} | {'ms':>9} | {'count':>5} | {what}")
+    for row in found["table"][:top]:
+        print(
+            f"{row['share']:6.1%} | {row['total_ms']:9.3f} | {row['count']:5d} | "
+            f"{row['name'][:120]}"
+        )
+
+
+def trace_path(trace: str | None, step: str) -> str | None:
+    if trace is None:
+        return None
+    path = Path(trace)
+    return str(path.with_name(f"{path.stem}-{step}{path.suffix}"))
+
+
+def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling=False, trace=None):
+    """Seconds of a prefill step and of a decode step, eager and (on CUDA) from CUDA graphs,
+    the context after the timed decode steps, and with `profiling` each step's `profile_step`
+    (trace: `--trace`)."""
     args = model.args
     page = 64
     pages = -(-(prompt + 2 * steps * (reps + 2)) // page)
@@ -85,6 +184,14 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int):
     ids = torch.randint(2, args.vocab_size, (batch * prompt,), device=device)
     prefill = StepBatch(ids, [prompt] * batch, [prompt] * batch, table)
     prefill_s = median_seconds(lambda: model.forward_step(prefill, cache), device, reps)
+    profiles = {}
+    if profiling:
+        profiles["prefill"] = profile_step(
+            lambda: model.forward_step(prefill, cache),
+            device,
+            "eager",
+            trace_path(trace, "prefill"),
+        )
     length = [prompt]
 
     def decode(forward):
@@ -92,13 +199,30 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int):
         token = torch.full((batch,), 7, device=device)
         forward(StepBatch(token, [1] * batch, [length[0]] * batch, table))
 
-    eager_s = median_seconds(lambda: decode(lambda b: model.forward_step(b, cache)), device, steps)
+    def eager(b):
+        return model.forward_step(b, cache)
+
+    eager_s = median_seconds(lambda: decode(eager), device, steps)
     graphs_s = None
+    context = length[0]
+    decode_trace = trace_path(trace, "decode")
     if device.type == "cuda":
         graphs = M.DecodeGraphs(model, cache, max_batch=batch, max_blocks=pages)
         graphs_s = median_seconds(lambda: decode(graphs), device, steps)
+        context = length[0]
+        if profiling:
+            decode(graphs)  # fills the graph's inputs: the profile sees the replay alone
+            graph = graphs.graphs[graphs.bucket(batch)]
+            found = profile_step(graph.replay, device, "CUDA-graph replay", decode_trace)
+            if found["count"]:
+                profiles["decode"] = found
         del graphs
-    return prefill_s, eager_s, graphs_s, length[0]
+    if profiling and "decode" not in profiles:
+        source = "eager"
+        if device.type == "cuda":
+            source += ": the profiler saw no kernels in a CUDA-graph replay"
+        profiles["decode"] = profile_step(lambda: decode(eager), device, source, decode_trace)
+    return prefill_s, eager_s, graphs_s, context, profiles
 
 
 def main() -> None:
@@ -110,10 +234,17 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128,256" if cuda else "1,4")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--profile", action="store_true", help="kernels of the first batch's steps")
+    parser.add_argument("--trace", help="Chrome traces of the profiled steps (implies --profile)")
     parser.add_argument("--json")
     options = parser.parse_args()
+    profiling = options.profile or options.trace is not None
+    if options.trace:
+        Path(options.trace).parent.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
+    fp8 = options.weight_dtype == "fp8"
     args = M.PRESETS[options.preset]
     if options.layers:
         args = dataclasses.replace(
@@ -121,30 +252,50 @@ def main() -> None:
             num_hidden_layers=options.layers,
             first_k_dense_replace=min(args.first_k_dense_replace, options.layers),
         )
-    model = M.from_args(args, seed=0, dtype=dtype, device=device)
+    model = M.from_args(
+        args, seed=0, dtype=dtype, device=device, weight_dtype="fp8" if fp8 else None
+    )
     flops_peak, copy_peak = ceilings(device, dtype)
+    fp8_peak = fp8_ceiling(device) if fp8 and cuda else None
     where = torch.cuda.get_device_name() if cuda else "CPU"
+    weights = "weights fp8 (e4m3, 128 x 128 block scales)" if fp8 else f"weights {dtype}"
     print(
         f"model {options.preset} ({args.num_hidden_layers} layers, "
-        f"{args.num_parameters() / 1e9:.2f} B parameters), {where}, {dtype}; prompt "
+        f"{args.num_parameters() / 1e9:.2f} B parameters), {where}, {dtype}, {weights}; prompt "
         f"{options.prompt}; measured ceilings: matmul {flops_peak / 1e12:.1f} TFLOP/s, "
         f"copy {copy_peak / 1e9:.0f} GB/s"
     )
+    if fp8:
+        measured = f"{fp8_peak / 1e12:.1f} TFLOP/s" if fp8_peak else "not measured on the CPU"
+        print(
+            f"the FP8 steps' roofline takes the {dtype} matmul ceiling (attention and the head "
+            f"stay {dtype}); an FP8 matmul (_scaled_mm, per-tensor scales): {measured}"
+        )
     print(
         "batch | prefill tok/s | roofline | ratio | decode tok/s: graphs | eager | roofline | ratio"
     )
     rows = []
-    for batch in map(int, options.batches.split(",")):
-        prefill_s, eager_s, graphs_s, context = run(
-            model, batch, options.prompt, options.steps, device, options.reps
+    profiled = None
+    for i, batch in enumerate(map(int, options.batches.split(","))):
+        prefill_s, eager_s, graphs_s, context, profiles = run(
+            model,
+            batch,
+            options.prompt,
+            options.steps,
+            device,
+            options.reps,
+            profiling=profiling and i == 0,
+            trace=options.trace,
         )
+        if profiles:
+            profiled = dict(batch=batch, **profiles)
         decode_s = graphs_s or eager_s
         bounds = []
         for new, ctx, seconds in (
             (options.prompt, options.prompt, prefill_s),
             (1, context, decode_s),
         ):
-            flops, nbytes = step_cost(args, batch, new, ctx, 576 * 2)
+            flops, nbytes = step_cost(args, batch, new, ctx, 576 * 2, options.weight_dtype)
             bound = max(flops / flops_peak, nbytes / copy_peak)
             bounds.append((batch * new / seconds, batch * new / bound))
         (prefill, prefill_bound), (decode, decode_bound) = bounds
@@ -164,10 +315,17 @@ def main() -> None:
             f"{batch:5d} | {prefill:13.0f} | {prefill_bound:8.0f} | {prefill / prefill_bound:5.2f} "
             f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f}"
         )
+    if profiled:
+        for step in ("prefill", "decode"):
+            print_profile(step, profiled["batch"], profiled[step])
     if options.json:
         document = dict(
             vars(options), device=where, matmul_flops=flops_peak, copy_bytes_s=copy_peak
         )
+        if fp8_peak:
+            document["matmul_flops_fp8"] = fp8_peak
+        if profiled:
+            document["profile"] = profiled
         with open(options.json, "w") as f:
             json.dump(document | {"rows": rows}, f, indent=1)
 

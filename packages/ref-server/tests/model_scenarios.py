@@ -152,6 +152,15 @@ def two_batch_graphs_match_eager(rank: int, world: int, group, path: str) -> Non
             assert torch.isfinite(got).all()
 
 
+def assert_close_logits(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Logits `[b, vocab]` within rtol = atol = tol, and the same greedy tokens but for
+    near-ties (within twice that tolerance), which rounding may swap."""
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    best = want.amax(-1)
+    chosen = want.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+    assert ((best - chosen) <= 2 * tol * (1 + best.abs())).all(), (best - chosen).max()
+
+
 def low_latency_decode_matches_the_normal_mode(
     rank: int, world: int, group, path: str, device: str = "cpu"
 ) -> None:
@@ -198,8 +207,7 @@ def low_latency_decode_matches_the_normal_mode(
         ]
 
     def close(got, want) -> None:  # the exchange rounds each expert's rows to bf16
-        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert_close_logits(got, want, 3e-2)
 
     normal, low_latency = run(ep, low_latency=False), run(ep, low_latency=True)
     two_batches, alone = run(ep, two_batches=True), run(one)
@@ -385,8 +393,7 @@ def low_latency_graphs_match_eager(rank: int, world: int, group, path: str) -> N
         expert_parallel.raise_if_failed()
         if b:
             assert torch.isfinite(got).all()
-            torch.testing.assert_close(got, eager[:b], rtol=2e-2, atol=2e-2)
-            assert torch.equal(got.argmax(-1), eager[:b].argmax(-1))
+            assert_close_logits(got, eager[:b], 2e-2)
             replays.append(got)
         del graphs
         expert_parallel.reset()

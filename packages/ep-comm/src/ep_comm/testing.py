@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
 import queue
@@ -65,7 +66,8 @@ def run_ranks(
     `world_size` spawned processes joined in a process group; return each rank's result.
 
     Any rank's exception fails the call with every failing rank's traceback; a rank still
-    running after `limit` seconds is killed and reported. `timeout` is the process group's.
+    running after `limit` seconds prints its threads' Python stacks to stderr, is killed and
+    reported. `timeout` is the process group's.
     With CUDA, every rank uses GPU `EP_COMM_TEST_DEVICE` (0), or with `gpu_per_rank` GPU
     rank mod the GPU count (NCCL needs one per rank).
     """
@@ -76,7 +78,18 @@ def run_ranks(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, port, backend, timeout, gpu_per_rank, *where, args, results),
+            args=(
+                rank,
+                world_size,
+                port,
+                backend,
+                timeout,
+                limit,
+                gpu_per_rank,
+                *where,
+                args,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -103,8 +116,19 @@ def run_ranks(
 
 
 def _rank_main(
-    rank, world_size, port, backend, timeout, gpu_per_rank, module_path, function, args, results
+    rank,
+    world_size,
+    port,
+    backend,
+    timeout,
+    limit,
+    gpu_per_rank,
+    module_path,
+    function,
+    args,
+    results,
 ):
+    faulthandler.dump_traceback_later(max(limit - 2, 1))  # where a hung rank is stuck
     try:
         if backend == "nccl" or torch.cuda.is_available():
             shared = int(os.environ.get("EP_COMM_TEST_DEVICE", "0"))

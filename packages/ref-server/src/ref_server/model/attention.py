@@ -2,16 +2,21 @@
 
 A cached step is two operations, so two-batch overlap can run them in different stages:
 `prepare` (projections, rope, the cache write and, for decode, the queries absorbing kv_b's key
-half) and `core` (attention itself, the value half of kv_b and o_proj). Prefill decompresses each
-sequence's cached context and attends densely; decode attends to the latent cache through
+half) and `core` (attention itself, the value half of kv_b and o_proj). Prefill decompresses the
+whole context of every sequence of the step at once and attends densely, all sequences in one
+variable-length kernel on CUDA; decode attends to the latent cache through
 `mla_kernels.flash_mla_with_kvcache`.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalVariant
 
 import mla_kernels
 from ref_server.model.args import ModelArgs
@@ -35,6 +40,7 @@ class Attention(nn.Module):
         kv_width = args.qk_nope_head_dim + args.v_head_dim
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=False)
+        self._kv_b_dequantized = None  # an FP8 kv_b's weight, see `_kv_b_weight`
 
     def _project(self, x: torch.Tensor, rotation):
         """x `[..., n, hidden]` (rotation: `Rope` at its positions) to q_nope, q_rope
@@ -104,22 +110,52 @@ class Attention(nn.Module):
         state.attn_out = self.o_proj(out.to(self.dtype))
 
     def _prefill_from_cache(self, q, cache, step):
-        a, page = self.args, cache.shape[1]
-        outputs, start = [], 0
-        for s, (new, context) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
-            blocks = step.block_table[s, : -(-context // page)].long()
-            rows = cache[blocks].flatten(0, 2)[:context]  # [context, 576]
-            latent, k_rope = rows.to(q.dtype).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-            k, v = self._decompress(latent, k_rope)
-            if new == context:  # nothing cached before: a plain causal pass (a faster kernel)
-                outputs.append(self._attend(q[start : start + new], k, v, causal=True))
-            else:
-                seen = (
-                    torch.arange(context, device=q.device)
-                    <= step.positions[start : start + new, None]
-                )
-                outputs.append(self._attend(q[start : start + new], k, v, mask=seen))
-            start += new
+        """q `[n, heads, qk_head_dim]`, the new tokens' queries, over each one's context in the
+        cache `[blocks, page, 1, 576]` (the new tokens' rows written): `[n, heads * v]`. Every
+        context row of the step is read and decompressed at once (one kv_b GEMM)."""
+        a = self.args
+        rows = cache.flatten(0, 2).index_select(0, step.context_rows).to(q.dtype)
+        k, v = self._decompress(*rows.split([a.kv_lora_rank, a.qk_rope_head_dim], -1))
+        return self._attend_ragged(q, k, v, step)
+
+    # Ragged causal attention: q `[total_q, heads, d]` (each sequence's new tokens in turn) over
+    # k `[total_k, heads, d]` and v `[total_k, heads, v]` (each sequence's whole context in
+    # turn), one dtype, the lengths in step (`StepMetadata`): `[total_q, heads * v]`. A
+    # sequence's new tokens end its context: query i of n sees keys 0 .. context - n + i
+    # (causal from the bottom right).
+
+    def _attend_ragged(self, q, k, v, step):
+        if q.is_cuda:
+            return self._attend_varlen(q, k, v, step)
+        return self._attend_each(q, k, v, step)
+
+    def _attend_varlen(self, q, k, v, step):
+        """All sequences in one kernel: torch's memory-efficient attention in its
+        variable-length form (CUDA only)."""
+        out = torch.ops.aten._efficient_attention_forward(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            bias=None,
+            cu_seqlens_q=step.cu_seqlens_q,
+            cu_seqlens_k=step.cu_seqlens_k,
+            max_seqlen_q=step.max_query_len,
+            max_seqlen_k=step.max_context_len,
+            dropout_p=0.0,
+            custom_mask_type=int(CausalVariant.LOWER_RIGHT),
+            scale=self.args.softmax_scale,
+        )[0]
+        return out.squeeze(0).flatten(-2)
+
+    def _attend_each(self, q, k, v, step):
+        """One SDPA per sequence, over its slices (any device: the reference)."""
+        outputs, i, j = [], 0, 0
+        for new, context in zip(step.query_lens, step.context_lens, strict=True):
+            seen = torch.ones(new, context, dtype=torch.bool, device=q.device).tril(context - new)
+            outputs.append(
+                self._attend(q[i : i + new], k[j : j + context], v[j : j + context], mask=seen)
+            )
+            i, j = i + new, j + context
         return torch.cat(outputs)
 
     @property
@@ -128,12 +164,32 @@ class Attention(nn.Module):
         return self.kv_a_layernorm.weight.dtype
 
     def _kv_b_halves(self):
+        """kv_b's weight per head, split: the key half `[heads, nope, kv_lora_rank]` and the
+        value half `[heads, v, kv_lora_rank]`."""
         a = self.args
-        w = self.kv_b_proj.weight
-        if isinstance(self.kv_b_proj, FP8Linear):
-            w = self.kv_b_proj.dequantized(self.dtype)
-        w = w.unflatten(0, (a.num_attention_heads, -1))
+        w = self._kv_b_weight().unflatten(0, (a.num_attention_heads, -1))
         return w.split([a.qk_nope_head_dim, a.v_head_dim], dim=1)
+
+    def _kv_b_weight(self) -> torch.Tensor:
+        """kv_b's weight `[heads * (nope + v), kv_lora_rank]` in the activations' dtype. An FP8
+        one is dequantized once, not at every decode step: again only after its tensors are
+        replaced (`model.to`, a new buffer) or written in place (their version counters move),
+        and then into the same tensor where the layout allows, so that a CUDA graph captured
+        over it never reads freed memory (a graph keeps the values of its last eager
+        refresh: capture again after changing weights)."""
+        proj = self.kv_b_proj
+        if not isinstance(proj, FP8Linear):
+            return proj.weight
+        sources = (proj.weight, proj.weight_scale_inv)
+        stamp = (self.dtype, *(t._version for t in sources))
+        cached = self._kv_b_dequantized
+        if cached is None or not cached.computed_from(sources, stamp):
+            weight = proj.dequantized(self.dtype)
+            if cached is not None and cached.fits(weight):
+                weight = cached.weight.copy_(weight)
+            refs = [weakref.ref(t) for t in sources]
+            self._kv_b_dequantized = _Dequantized(refs, stamp, weight)
+        return self._kv_b_dequantized.weight
 
     def _absorbed_query(self, q_nope, q_rope, dtype):
         """One token per sequence: queries absorb kv_b's key half, so they attend to the latent
@@ -160,3 +216,21 @@ class Attention(nn.Module):
         _, w_value = self._kv_b_halves()
         out = torch.einsum("nhc,hvc->nhv", out.squeeze(1).to(w_value.dtype), w_value)
         return out.flatten(1)
+
+
+@dataclass
+class _Dequantized:
+    """An FP8 weight dequantized, and what from: weak references to its tensors (values and
+    scales), and the dtype and those tensors' version counters at the time."""
+
+    sources: list[weakref.ref]
+    stamp: tuple
+    weight: torch.Tensor
+
+    def computed_from(self, sources, stamp) -> bool:
+        same = all(ref() is t for ref, t in zip(self.sources, sources, strict=True))
+        return same and self.stamp == stamp
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        mine = self.weight
+        return (mine.shape, mine.dtype, mine.device) == (weight.shape, weight.dtype, weight.device)

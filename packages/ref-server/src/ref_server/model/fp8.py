@@ -3,10 +3,10 @@
 Weights are float8_e4m3fn with one fp32 scale per 128 x 128 block (`weight_scale_inv`, the
 checkpoint's name: weight ~= values * scale); activations are quantized on the fly with one
 scale per token and 128 channels (ep_comm's `per_token_cast_to_fp8`, the cast its FP8
-dispatch uses). `fp8_block_gemm` multiplies the two with fp32 accumulation. Its body is the
-reference: both operands dequantized to fp32, then a matmul (CPU and GPU, correct, slow). A
-fast GPU kernel (Triton, or torch's scaled GEMMs where they take these scales) replaces that
-body and nothing else.
+dispatch uses). `fp8_block_gemm` multiplies the two with fp32 accumulation, through the
+operator `ref_server::fp8_block_gemm` (`fp8_gemm`): a Triton kernel on CUDA (or, for linear
+layers, torch._scaled_mm's blockwise scaling), the reference elsewhere (both operands
+dequantized to fp32, then a matmul).
 
 `use_fp8(model)` swaps a model's projections for `FP8Linear` and its routed experts for
 `FP8Experts`; the loader then fills them from FP8 checkpoints as stored, or quantizes bf16
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
+from ref_server.model.fp8_gemm import DENSE_BACKEND, block_gemm
 from ref_server.model.moe import Experts, RoutedExperts
 
 BLOCK = 128
@@ -74,21 +75,19 @@ def fp8_block_gemm(
     w_scales: torch.Tensor,
     offsets: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ w^T with fp32 accumulation, in out_dtype. x_fp8 e4m3 with x_scales fp32 from
     `quantize_activations`, w_fp8 e4m3 with w_scales fp32 from `quantize_blocks`, one of:
     - w `[n, k]`, scales `[ceil(n/128), ceil(k/128)]`; x `[..., m, k]`: a linear layer;
-    - w `[e, n, k]`, scales `[e, ...]`; x `[e, m, k]`: one expert per batch (packed rows);
+    - w `[e, n, k]`, scales `[e, ...]`; x `[e, m, k]`: one expert per batch (packed rows), and
+      optionally counts `[e]` int32, the rows of each expert that matter (rows >= counts[g]
+      come out unspecified, and cost nothing where whole tiles of them do);
     - the same w; x `[m, k]` with rows grouped by expert, group g ending at row offsets[g]
       (`[e]` int32, torch._grouped_mm's convention; rows past offsets[-1] come out unspecified).
-    Out: `[..., m, n]`.
-
-    The reference: both operands dequantized to fp32, then one matmul. A fast kernel goes here.
+    Out: `[..., m, n]`. ValueError on arguments that fit none of these.
     """
-    x = dequantize_activations(x_fp8, x_scales)
-    w = dequantize_blocks(w_fp8, w_scales).transpose(-2, -1)
-    out = x @ w if offsets is None else torch._grouped_mm(x, w, offs=offsets)
-    return out.to(out_dtype)
+    return block_gemm(x_fp8, x_scales, w_fp8, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
 
 
 class FP8Linear(nn.Module):

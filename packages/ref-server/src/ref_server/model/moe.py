@@ -31,8 +31,16 @@ class Gate(nn.Module):
         return self.select(self.scores(x))
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's sigmoid scores `[n, experts]` fp32."""
-        return F.linear(x.float(), self.weight.float()).sigmoid()
+        """x `[n, hidden]` to the router's sigmoid scores `[n, experts]` fp32. Half-precision
+        operands are exact in fp32, so on CUDA a half-precision GEMM with fp32 accumulation and
+        output (`mm.dtype`, which only CUDA has) gives what an fp32 GEMM would, but for the
+        order of the sums, at tensor-core speed."""
+        w = self.weight
+        if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+            logits = torch.mm(x, w.t(), out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), w.float())
+        return logits.sigmoid()
 
     def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
@@ -47,6 +55,40 @@ class Gate(nn.Module):
         if a.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * a.routed_scaling_factor, ids
+
+
+def _weighted_sum_reference(
+    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Each token's weighted sum of its rows of y: y `[m, hidden]` (bf16, fp16 or fp32),
+    rows `[n, k]` int64 (token t's slot j is row rows[t, j] of y; -1: none, that slot is
+    skipped and its weight never read), weights `[n, k]` fp32. The products are summed in fp32
+    in slot order; out `[n, hidden]` in y's dtype. No row of y is read but those named."""
+    n, k = rows.shape
+    out = torch.zeros(n, y.shape[1], dtype=torch.float32, device=y.device)
+    for slot in range(k):
+        token = (rows[:, slot] >= 0).nonzero().squeeze(1)
+        out.index_add_(0, token, y[rows[token, slot]].float() * weights[token, slot, None])
+    return out.to(y.dtype)
+
+
+# The reference serves every device but CUDA, where one Triton kernel gathers, weighs and sums
+# without the reference's host synchronization (nonzero) or per-slot fp32 copies.
+moe_weighted_sum = torch.library.custom_op(
+    "ref_server::moe_weighted_sum", _weighted_sum_reference, mutates_args=()
+)
+
+
+@moe_weighted_sum.register_kernel("cuda")
+def _weighted_sum_cuda(y, rows, weights):
+    from ref_server.model.moe_kernels import weighted_sum  # Triton: CUDA machines only
+
+    return weighted_sum(y, rows, weights)
+
+
+@moe_weighted_sum.register_fake
+def _weighted_sum_fake(y, rows, weights):
+    return y.new_empty(rows.shape[0], y.shape[1])
 
 
 class RoutedExperts(nn.Module):
@@ -65,20 +107,22 @@ class RoutedExperts(nn.Module):
 
     def grouped(self, x, ids, weights) -> torch.Tensor:
         """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: on another rank), weights `[n, k]`:
-        each token's weighted sum of its experts' outputs, through `mlp` over the rows sorted
-        by expert, with nothing that waits for the GPU: rows for other ranks' experts (-1) sort
-        after every group, and each token's k outputs are summed in fp32 in slot order."""
-        k = ids.shape[1]
+        each token's weighted sum of its experts' outputs, in x's dtype, through `mlp` over the
+        rows sorted by expert, with nothing that waits for the GPU: rows for other ranks'
+        experts (-1) sort after every group, and `moe_weighted_sum` sums each token's k outputs
+        in fp32 in slot order, skipping those."""
+        n, k = ids.shape
         valid = ids.flatten() >= 0
         expert = torch.where(valid, ids.flatten(), self.num_experts)
         order = expert.argsort(stable=True)
         ends = torch.arange(1, self.num_experts + 1, device=ids.device)
         offsets = torch.searchsorted(expert[order], ends, out_int32=True)
         y = self.mlp(x[order // k], offsets)
-        per_slot = torch.empty_like(y, dtype=torch.float32)
-        per_slot[order] = y.float()  # rows past the last group are left unwritten: masked below
-        weighted = torch.where(valid[:, None], per_slot * weights.flatten()[:, None], 0.0)
-        return weighted.unflatten(0, ids.shape).sum(dim=1).to(x.dtype)
+        sorted_at = torch.arange(n * k, device=ids.device)
+        rows = torch.empty_like(order).scatter_(0, order, sorted_at)  # the inverse of the sort
+        # an -1 slot's row lies past the last group, which mlp leaves unwritten: never read it
+        rows = torch.where(valid, rows, -1).view(n, k)
+        return moe_weighted_sum(y, rows, weights.float())
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
         """x `[e, rows, hidden]`, row i of expert e a token for it: each row through its

@@ -3,14 +3,16 @@ consumes it.
 
 `StepBatch` is what the runner (or `generate`, or a test) hands the model: the new tokens of
 several sequences, flattened, their lengths and their pages. `StepMetadata` is its device form,
-built once per step (or per microbatch) and shared by every layer. `StepBatch.split` cuts a batch
-into two microbatches for two-batch overlap, a sequence possibly in two (its prefix first).
+built once per step (or per microbatch) on the CPU from the Python lists, copied to the device in
+one transfer and shared by every layer. `StepBatch.split` cuts a batch into two microbatches for
+two-batch overlap, a sequence possibly in two (its prefix first).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 import torch
 
@@ -54,7 +56,7 @@ class StepBatch:
         """One new token per sequence: attention runs absorbed, through mla_kernels."""
         return all(q == 1 for q in self.query_lens)
 
-    # Both on the CPU, from the Python lists: on the GPU they would wait for it.
+    # All on the CPU, from the Python lists: on the GPU they would wait for it.
     @cached_property
     def positions(self) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's position in its sequence."""
@@ -63,12 +65,20 @@ class StepBatch:
 
     def slot_mapping(self, page_size: int) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's cache row, `block * page_size + offset`."""
-        positions = self.positions
-        owner = torch.repeat_interleave(
-            torch.arange(len(self.query_lens)), torch.tensor(self.query_lens)
-        )
-        table = self.block_table.cpu().long()
-        blocks = table[owner, positions // page_size]
+        return self._cache_rows(self.query_lens, self.positions, page_size)
+
+    def context_rows(self, page_size: int) -> torch.Tensor:
+        """`[sum(context_lens)]` int64 on the CPU: the cache rows of every sequence's whole
+        context (positions 0 .. context - 1, the new tokens' included), sequence after
+        sequence."""
+        positions = torch.cat([torch.arange(context) for context in self.context_lens])
+        return self._cache_rows(self.context_lens, positions, page_size)
+
+    def _cache_rows(self, lens: list[int], positions: torch.Tensor, page_size: int):
+        """The cache rows of `positions` `[sum(lens)]` int64, the first lens[0] of sequence 0,
+        the next lens[1] of sequence 1, and so on."""
+        owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        blocks = self.block_table.cpu().long()[owner, positions // page_size]
         return blocks * page_size + positions % page_size
 
     def split(self, split) -> tuple[StepBatch, StepBatch]:
@@ -96,23 +106,43 @@ class StepBatch:
         )
 
     def metadata(self, cache, heads: int) -> StepMetadata:
-        """This batch's device form on the cache's device (heads: the model's attention heads)."""
-        device = cache.device
-        positions = self.positions.to(device)
-        slot_mapping = self.slot_mapping(cache.page_size).to(device)
-        block_table = self.block_table.to(device=device, dtype=torch.int32)
-        if self.is_decode:
-            return StepMetadata.decode(positions, slot_mapping, block_table, heads)
-        last_rows = torch.tensor(self.query_lens).cumsum(0).sub(1).to(device)
-        return StepMetadata(
-            False,
-            positions,
-            slot_mapping,
-            block_table,
-            last_rows,
-            self.query_lens,
-            self.context_lens,
+        """This batch's device form on the cache's device (cache: anything with `device` and
+        `page_size`, such as a `PagedKVCache`; heads: the model's attention heads)."""
+        page = cache.page_size
+        host = dict(
+            positions=self.positions,
+            slot_mapping=self.slot_mapping(page),
+            block_table=self.block_table.cpu().int(),
         )
+        if self.is_decode:
+            return StepMetadata.decode(**_to_device(host, cache.device), heads=heads)
+        cu_seqlens_q, cu_seqlens_k = (
+            torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
+            for lens in (self.query_lens, self.context_lens)
+        )
+        host |= dict(
+            last_rows=cu_seqlens_q[1:].long() - 1,
+            context_rows=self.context_rows(page),
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+        )
+        return StepMetadata(
+            is_decode=False,
+            query_lens=self.query_lens,
+            context_lens=self.context_lens,
+            **_to_device(host, cache.device),
+        )
+
+
+def _to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """CPU integer tensors on `device`, each in its shape and dtype, through one copy: a copy
+    from pageable host memory waits for the device's queue, so once, not once per tensor."""
+    flat = torch.cat([t.flatten().long() for t in tensors.values()]).to(device)
+    parts = flat.split([t.numel() for t in tensors.values()])
+    return {
+        name: part.view(t.shape).to(t.dtype)
+        for (name, t), part in zip(tensors.items(), parts, strict=True)
+    }
 
 
 @dataclass
@@ -123,8 +153,12 @@ class StepMetadata:
     positions, slot_mapping: `[n]` int64, each new token's position and cache row.
     block_table: `[b, max_blocks]` int32.
     last_rows: `[b]` int64, the rows whose logits the step returns; None: every row (decode).
-    query_lens, context_lens: a prefill's lengths, which its per-sequence attention walks.
-    cache_seqlens `[b]` int32, tile_scheduler_metadata, num_splits: a decode's kernel schedule.
+    A prefill's, for its attention over all sequences at once (None in decode):
+    - query_lens, context_lens: the batch's lengths (Python lists, as the host needs them);
+    - context_rows: `[sum(context_lens)]` int64, the cache rows of every sequence's context;
+    - cu_seqlens_q, cu_seqlens_k: `[b + 1]` int32, where each sequence's new tokens and its
+      context start in the flattened rows (0, then the running sums of the lengths).
+    A decode's kernel schedule: cache_seqlens `[b]` int32, tile_scheduler_metadata, num_splits.
     """
 
     is_decode: bool
@@ -134,6 +168,9 @@ class StepMetadata:
     last_rows: torch.Tensor | None = None
     query_lens: list[int] | None = None
     context_lens: list[int] | None = None
+    context_rows: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
     tile_scheduler_metadata: torch.Tensor | None = None
     num_splits: torch.Tensor | None = None
@@ -142,6 +179,14 @@ class StepMetadata:
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_context_len(self) -> int:
+        return max(self.context_lens)
+
     @classmethod
     def decode(cls, positions, slot_mapping, block_table, heads: int) -> StepMetadata:
         """One new token per sequence, from device tensors alone (so a CUDA graph can capture
@@ -149,14 +194,11 @@ class StepMetadata:
         cache_seqlens = (positions + 1).int()
         metadata, splits = mla_kernels.get_mla_metadata(cache_seqlens, heads, 1)
         return cls(
-            True,
-            positions,
-            slot_mapping,
-            block_table,
-            None,
-            None,
-            None,
-            cache_seqlens,
-            metadata,
-            splits,
+            is_decode=True,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            cache_seqlens=cache_seqlens,
+            tile_scheduler_metadata=metadata,
+            num_splits=splits,
         )

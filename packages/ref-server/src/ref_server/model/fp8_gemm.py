@@ -1,0 +1,461 @@
+"""The block-scaled FP8 GEMM as one operator, `ref_server::fp8_block_gemm`, in three layouts.
+
+Operands as DeepSeek-V3 keeps them: activations e4m3 with one fp32 scale per token and 128
+channels, weights e4m3 with one fp32 scale per 128 x 128 block. Each product is x @ w^T with
+fp32 accumulation: for each 128-channel block kb, acc += (x_block @ w_block^T) * x_scale[row, kb]
+* w_scale[n // 128, kb]. The layouts:
+
+- dense: x `[..., m, k]` against w `[n, k]` (a linear layer);
+- batched: x `[e, m, k]` against w `[e, n, k]`, optionally with `counts` `[e]` int32, the rows
+  of each expert that hold tokens (the decode layout: the low-latency dispatch receives into
+  `[e, max_rows, hidden]` with per-expert counts; the shapes stay fixed for CUDA graphs);
+- grouped: x `[m, k]` with rows grouped by expert, group g ending at `offsets[g]` (`[e]` int32,
+  cumulative, torch._grouped_mm's convention), against w `[e, n, k]` (prefill).
+
+Implementations: the default one, on any device, is the reference (both operands dequantized to
+fp32, then torch.matmul or torch._grouped_mm). On CUDA, one Triton kernel serves all three
+layouts (`triton_block_gemm`): each program takes one 64- or 128-row tile of one expert and one
+128-column tile of the output, works out on the device which expert and rows its tile covers,
+and runs the same main loop (wgmma on e4m3, one fp32 rescale per 128 channels); where the
+output has too few tiles for the SMs (decode), programs split k and their fp32 partial sums
+are added after. Nothing waits for the device and no size depends on device values, so the
+operator can be captured in a CUDA graph (after one warm-up call, which compiles the kernel).
+For the dense layout, torch's own `torch._scaled_mm` takes these scales on Hopper (1x128 by
+128x128 blockwise scaling, cuBLASLt 12.9 and later): `dense_backend="scaled_mm"` uses it where
+`scaled_mm_takes` says it can, and the Triton kernel elsewhere. Which backend `fp8_block_gemm`
+uses is `DENSE_BACKEND`, chosen from benchmarks/bench_fp8_gemm.py's measurements.
+
+k need not be a multiple of 128 (the last block is partial, its scale covering what there is).
+Rows past a batched expert's count, or past offsets[-1] in the grouped layout, come out
+unspecified. Offsets must be non-decreasing (unchecked: that would take a device sync); counts
+and offsets of any value make the kernel read and write within its tensors only.
+
+triton is imported on the first CUDA call only, so that this module imports without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
+FP8 = torch.float8_e4m3fn
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DENSE_BACKENDS = ("triton", "scaled_mm")
+DENSE_BACKEND = "triton"  # the dense layout's implementation on CUDA, for fp8_block_gemm
+
+
+def blocks(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK
+
+
+class Layout(NamedTuple):
+    """What `check_inputs` found: kind "dense", "batched" or "grouped"; x as a matrix
+    `[rows, k]`, w as `[groups, n, k]`; group_rows, each expert's rows (batched) or their
+    average (grouped, dense: all rows); out_shape, the result's shape."""
+
+    kind: str
+    rows: int
+    n: int
+    k: int
+    groups: int
+    group_rows: int
+    out_shape: tuple[int, ...]
+
+
+def check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend) -> Layout:
+    """The layout of valid arguments (see `block_gemm`); ValueError naming what is wrong."""
+    tensors = dict(x_fp8=x, x_scales=x_scales, w_fp8=w, w_scales=w_scales)
+    tensors |= {name: t for name, t in (("offsets", offsets), ("counts", counts)) if t is not None}
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise ValueError(
+                f"all tensors must be on one device: x_fp8 is on {x.device}, {name} on {t.device}"
+            )
+    dtypes = dict(x_fp8=FP8, w_fp8=FP8, x_scales=torch.float32, w_scales=torch.float32)
+    for name, dtype in dtypes.items():
+        t = tensors[name]
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if dense_backend not in DENSE_BACKENDS:
+        raise ValueError(f"dense_backend must be one of {DENSE_BACKENDS}, got {dense_backend!r}")
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w_fp8 must be [n, k] or [e, n, k], got shape {tuple(w.shape)}")
+    if x.dim() == 0:
+        raise ValueError("x_fp8 must be [..., k], got a scalar")
+    n, k = w.shape[-2:]
+    if x.shape[-1] != k:
+        raise ValueError(f"x_fp8 has k = {x.shape[-1]} channels but w_fp8 has k = {k}")
+    want = (*x.shape[:-1], blocks(k))
+    if tuple(x_scales.shape) != want:
+        got = tuple(x_scales.shape)
+        raise ValueError(f"x_scales must be {want} (one per token and 128 channels), got {got}")
+    want = (*w.shape[:-2], blocks(n), blocks(k))
+    if tuple(w_scales.shape) != want:
+        got = tuple(w_scales.shape)
+        raise ValueError(f"w_scales must be {want} (one per 128 x 128 block), got {got}")
+    rows = math.prod(x.shape[:-1])
+    if w.dim() == 2:
+        for name, t in (("offsets", offsets), ("counts", counts)):
+            if t is not None:
+                raise ValueError(f"{name} is for experts' weights [e, n, k]; w_fp8 is [n, k]")
+        return Layout("dense", rows, n, k, 1, rows, (*x.shape[:-1], n))
+    e = w.shape[0]
+    if offsets is not None:
+        if counts is not None:
+            raise ValueError(
+                "pass offsets (x [m, k], rows grouped by expert) or counts (x [e, m, k]), not both"
+            )
+        if x.dim() != 2:
+            raise ValueError(f"with offsets, x_fp8 must be [m, k], got {tuple(x.shape)}")
+        check_group_sizes("offsets", offsets, e)
+        return Layout("grouped", rows, n, k, e, rows // max(e, 1), (rows, n))
+    if x.dim() != 3 or x.shape[0] != e:
+        raise ValueError(
+            f"x_fp8 must be [e, m, k] with e = {e} experts (or [m, k] with offsets), "
+            f"got {tuple(x.shape)}"
+        )
+    if counts is not None:
+        check_group_sizes("counts", counts, e)
+    return Layout("batched", rows, n, k, e, x.shape[1], (e, x.shape[1], n))
+
+
+def check_group_sizes(name: str, t: torch.Tensor, e: int) -> None:
+    if t.dtype != torch.int32 or tuple(t.shape) != (e,):
+        got = f"{tuple(t.shape)} {t.dtype}"
+        raise ValueError(f"{name} must be [{e}] int32 (one per expert), got {got}")
+
+
+@torch.library.custom_op("ref_server::fp8_block_gemm", mutates_args=())
+def block_gemm(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    dense_backend: str,
+) -> torch.Tensor:
+    """x @ w^T in out_dtype (bf16, fp16 or fp32), fp32 accumulation. x e4m3 `[..., k]` with
+    x_scales fp32 `[..., ceil(k/128)]`; w e4m3 `[n, k]` or `[e, n, k]` with w_scales fp32
+    `[(e,) ceil(n/128), ceil(k/128)]`; offsets `[e]` int32 (grouped layout) or counts `[e]`
+    int32 (batched layout), or neither; dense_backend, "triton" or "scaled_mm" (the dense
+    layout on CUDA). Out `[..., n]` (see the module docstring for the layouts).
+
+    This body is the reference, on any device: both operands dequantized to fp32, one matmul."""
+    check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend)
+    from ref_server.model.fp8 import dequantize_activations, dequantize_blocks  # fp8 imports us
+
+    a = dequantize_activations(x, x_scales)
+    b = dequantize_blocks(w, w_scales).transpose(-2, -1)
+    out = a @ b if offsets is None else torch._grouped_mm(a, b, offs=offsets)
+    return out.to(out_dtype)
+
+
+@block_gemm.register_fake
+def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend):
+    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend)
+    return x.new_empty(layout.out_shape, dtype=out_dtype)
+
+
+@block_gemm.register_kernel("cuda")
+def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend):
+    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend)
+    use_cublas = dense_backend == "scaled_mm" and layout.kind == "dense"
+    if use_cublas and scaled_mm_takes(layout.rows, layout.n, layout.k, out_dtype, x.device):
+        return scaled_mm_block_gemm(x, x_scales, w, w_scales, out_dtype)
+    return triton_block_gemm(x, x_scales, w, w_scales, offsets, counts, out_dtype)
+
+
+# torch._scaled_mm reads (1x128, 128x128) blockwise scales from torch 2.9 on, through cuBLASLt
+# 12.9 or later, on sm90 only.
+SCALED_MM_BLOCKWISE = (
+    torch.torch_version.TorchVersion(torch.__version__) >= "2.9"
+    and torch.version.cuda is not None
+    and torch.torch_version.TorchVersion(torch.version.cuda) >= "12.9"
+)
+
+
+def scaled_mm_takes(rows: int, n: int, k: int, out_dtype: torch.dtype, device) -> bool:
+    """Whether `scaled_mm_block_gemm` runs x `[rows, k]` @ w `[n, k]`^T: an sm90 device and a
+    torch whose _scaled_mm has blockwise scaling, bf16 out, whole 128-channel blocks in a
+    multiple of 4 (cuBLASLt pads the weight scales' k blocks to 4 otherwise; torch's strides
+    do not), n a multiple of 16, rows a multiple of 4 (16-byte aligned columns of x_scales)."""
+    return (
+        SCALED_MM_BLOCKWISE
+        and torch.device(device).type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and out_dtype == torch.bfloat16
+        and k % (4 * BLOCK) == 0
+        and n % 16 == 0
+        and rows % 4 == 0
+        and rows > 0
+    )
+
+
+def scaled_mm_block_gemm(x, x_scales, w, w_scales, out_dtype) -> torch.Tensor:
+    """The dense layout through torch._scaled_mm (where `scaled_mm_takes`): x e4m3 `[..., k]`,
+    x_scales fp32 `[..., k/128]`, w e4m3 `[n, k]`, w_scales fp32 `[ceil(n/128), k/128]`;
+    out `[..., n]` in out_dtype."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    scale_a = x_scales.reshape(-1, k // BLOCK).t().contiguous().t()  # column-major, as cuBLASLt
+    out = torch._scaled_mm(
+        rows, w.contiguous().t(), scale_a, w_scales.contiguous().t(), out_dtype=out_dtype
+    )
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of the Triton kernel: rows and columns per tile (columns
+    dividing 128, so that a tile has one weight scale per k step), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+DECODE = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
+PREFILL = KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+def pick_config(group_rows: int) -> KernelConfig:
+    """DECODE's 64-row tiles for experts (or layers) of at most 128 rows, PREFILL's otherwise.
+    Fixed, not autotuned: a CUDA graph captures after one warm-up call."""
+    return DECODE if group_rows <= 128 else PREFILL
+
+
+def pick_split_k(tiles: int, k_blocks: int, sms: int) -> int:
+    """1 where the output tiles fill the device's SMs; else the most ranges of at least 4 k
+    blocks each (dividing them) that keep tiles x ranges within two programs per SM: small-m
+    layers (decode) would leave most SMs idle otherwise."""
+    if tiles >= sms:
+        return 1
+    fitting = [s for s in range(1, k_blocks // 4 + 1) if k_blocks % s == 0 and tiles * s <= 2 * sms]
+    return max(fitting, default=1)
+
+
+def triton_block_gemm(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    config: KernelConfig | None = None,
+    tma: bool | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """`block_gemm` through the Triton kernel, any layout, on a CUDA device (or on the CPU with
+    TRITON_INTERPRET=1). config: `pick_config`'s by default. tma: load x and w tiles through
+    TMA descriptors (Hopper's bulk copies), the default where their alignment allows, or
+    through masked pointer loads. split_k: how many ranges of k blocks are summed by separate
+    programs (into fp32 partial sums, then added up), `pick_split_k`'s by default."""
+    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
+    rows, n, k, groups = layout.rows, layout.n, layout.k, layout.groups
+    config = config or pick_config(layout.group_rows)
+    if BLOCK % config.block_n:
+        raise ValueError(f"block_n must divide {BLOCK}, got {config.block_n}")
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    if rows == 0 or n == 0 or groups == 0:
+        return out.view(layout.out_shape)
+    x = x.reshape(rows, k)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    w = w.reshape(groups * n, k).contiguous()
+    x_scales = x_scales.reshape(rows, blocks(k))
+    w_scales = w_scales.reshape(groups, blocks(n), blocks(k))
+
+    tile_rows = -(-rows // config.block_m)
+    if layout.kind == "batched":
+        tile_rows = groups * -(-layout.group_rows // config.block_m)
+    elif layout.kind == "grouped":
+        tile_rows += groups  # each group's last tile may be partial
+    tiles = tile_rows * -(-n // config.block_n)
+    if split_k is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        split_k = pick_split_k(tiles, blocks(k), sms)
+    if blocks(k) % split_k:
+        raise ValueError(f"split_k must divide the {blocks(k)} blocks of k, got {split_k}")
+    partial = out if split_k == 1 else x.new_empty(split_k, rows, n, dtype=torch.float32)
+
+    triton, kernel = _triton_kernel()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (x, w)) and x.stride(0) % 16 == 0
+    fits = k >= BLOCK and k % 16 == 0 and rows >= config.block_m and groups * n >= config.block_n
+    if tma is None:
+        tma = aligned and fits
+    elif tma and not (aligned and fits):
+        raise ValueError(
+            "tma needs 16-byte aligned x and w, k a multiple of 16 and at least 128, and at "
+            "least one whole tile of rows and of columns"
+        )
+    x_in, w_in = x, w
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_in = TensorDescriptor.from_tensor(x, [config.block_m, BLOCK])
+        w_in = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK])
+    sizes = offsets if offsets is not None else counts
+    kernel[(tiles * split_k,)](
+        x_in,
+        x_scales,
+        w_in,
+        w_scales,
+        partial,
+        sizes if sizes is not None else x_scales,
+        rows,
+        n,
+        k,
+        layout.group_rows,
+        groups,
+        tile_rows,
+        x.stride(0),
+        x_scales.stride(0),
+        x_scales.stride(1),
+        w_scales.stride(0),
+        w_scales.stride(1),
+        w_scales.stride(2),
+        LAYOUT=layout.kind,
+        COUNTS=counts is not None,
+        TMA=tma,
+        GROUPS=triton.next_power_of_2(max(groups, 2)),
+        K_BLOCKS=blocks(k),
+        SPLIT_K=split_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        out.copy_(partial.sum(0))
+    return out.view(layout.out_shape)
+
+
+tl = None  # triton.language, once _triton_kernel() has imported it
+
+
+@functools.cache
+def _triton_kernel():
+    """(triton, the compiled `_block_gemm_kernel`): triton is imported here, on first use.
+    Row counts are not specialized on (Triton would compile again for each new multiple of
+    16, say a decode batch size first seen after the warm-up)."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    unspecialized = ["rows", "group_rows", "groups", "tile_rows"]
+    return triton, triton.jit(_block_gemm_kernel, do_not_specialize=unspecialized)
+
+
+def _block_gemm_kernel(
+    x,  # e4m3 [rows, k] (pointer, or TMA descriptor of [BLOCK_M, 128] tiles)
+    x_scales,  # fp32 [rows, ceil(k/128)]
+    w,  # e4m3 [groups * n, k] (pointer, or TMA descriptor of [BLOCK_N, 128] tiles)
+    w_scales,  # fp32 [groups, ceil(n/128), ceil(k/128)]
+    out,  # [rows, n], contiguous; with SPLIT_K > 1, fp32 [SPLIT_K, rows, n] partial sums
+    sizes,  # int32 [groups]: offsets (grouped) or counts (batched with COUNTS)
+    rows,
+    n,
+    k,
+    group_rows,  # rows of each expert (batched)
+    groups,
+    tile_rows,  # row tiles launched: every program is one (row tile, column tile)
+    stride_x,
+    stride_xs_row,
+    stride_xs_k,
+    stride_ws_group,
+    stride_ws_row,
+    stride_ws_k,
+    LAYOUT: tl.constexpr,  # "dense", "batched" or "grouped"
+    COUNTS: tl.constexpr,
+    TMA: tl.constexpr,
+    GROUPS: tl.constexpr,  # a power of two >= groups
+    K_BLOCKS: tl.constexpr,  # ceil(k / 128); a constant, since Triton 3.6's interpreter
+    # cannot loop to a run-time bound under numpy >= 2.4 (and a model has few values of k)
+    SPLIT_K: tl.constexpr,  # programs per output tile, each summing K_BLOCKS / SPLIT_K blocks
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = 128
+    SWIZZLE: tl.constexpr = 8  # row tiles that sweep the columns together (L2 reuse of w)
+    K_STEPS: tl.constexpr = K_BLOCKS // SPLIT_K
+    tile_cols = tl.cdiv(n, BLOCK_N)
+    split = tl.program_id(0) // (tile_rows * tile_cols)
+    pid = tl.program_id(0) % (tile_rows * tile_cols)
+    band = pid // (SWIZZLE * tile_cols)
+    height = tl.minimum(tile_rows - band * SWIZZLE, SWIZZLE)
+    tile_m = band * SWIZZLE + (pid % (SWIZZLE * tile_cols)) % height
+    tile_n = (pid % (SWIZZLE * tile_cols)) // height
+
+    # This tile's expert and rows [start, end): the end bounds the expert's rows, not the tile.
+    if LAYOUT == "dense":
+        group = 0
+        start = tile_m * BLOCK_M
+        end = rows
+    elif LAYOUT == "batched":
+        per_group = tl.cdiv(group_rows, BLOCK_M)
+        group = tile_m // per_group
+        start = group * group_rows + (tile_m % per_group) * BLOCK_M
+        end = group * group_rows + group_rows
+        if COUNTS:
+            end = group * group_rows + tl.minimum(tl.maximum(tl.load(sizes + group), 0), group_rows)
+    else:  # the tiles of each group in turn, from the cumulative ends
+        ids = tl.arange(0, GROUPS)
+        ends = tl.load(sizes + ids, mask=ids < groups, other=0)
+        begins = tl.load(sizes + ids - 1, mask=(ids > 0) & (ids < groups), other=0)
+        ends = tl.minimum(tl.maximum(ends, 0), rows)
+        begins = tl.minimum(tl.maximum(begins, 0), ends)
+        tiles = tl.cdiv(ends - begins, BLOCK_M)
+        tiles_to = tl.cumsum(tiles, 0)  # tiles of the groups up to and including each
+        group = tl.sum((tiles_to <= tile_m).to(tl.int32), 0)
+        mine = ids == group
+        first_tile = tl.sum(tl.where(mine, tiles_to - tiles, 0), 0)
+        start = tl.sum(tl.where(mine, begins, 0), 0) + (tile_m - first_tile) * BLOCK_M
+        end = tl.sum(tl.where(mine, ends, 0), 0)  # 0 past the last group: nothing to do
+    if start >= end:
+        return
+
+    n_start = tile_n * BLOCK_N
+    row_ids = start + tl.arange(0, BLOCK_M)
+    col_ids = n_start + tl.arange(0, BLOCK_N)
+    k_ids = tl.arange(0, BLOCK_K)
+    row_ok = row_ids < end
+    col_ok = col_ids < n
+    w_row = group * n + n_start
+    x_scale_ptrs = x_scales + row_ids.to(tl.int64) * stride_xs_row
+    w_scale_ptr = w_scales + group * stride_ws_group + (n_start // BLOCK_K) * stride_ws_row
+    if not TMA:
+        k_first = split * K_STEPS * BLOCK_K + k_ids
+        x_ptrs = x + row_ids.to(tl.int64)[:, None] * stride_x + k_first[None, :]
+        w_ptrs = w + (w_row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * k + k_first[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(K_STEPS):
+        kb = split * K_STEPS + step
+        # TMA fills past x's and w's bounds with zeros; rows of the next expert that a tile
+        # reads are computed and never stored.
+        if TMA:
+            a = x.load([start, kb * BLOCK_K])
+            b = w.load([w_row, kb * BLOCK_K])
+        else:
+            k_ok = k_ids < k - kb * BLOCK_K
+            a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        a_scale = tl.load(x_scale_ptrs + kb * stride_xs_k, mask=row_ok, other=0.0)
+        b_scale = tl.load(w_scale_ptr + kb * stride_ws_k)
+        acc += tl.dot(a, b.T) * (a_scale[:, None] * b_scale)
+
+    out_ptrs = out + (split * rows + row_ids).to(tl.int64)[:, None] * n + col_ids[None, :]
+    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -1,0 +1,66 @@
+"""The MoE's Triton kernels (CUDA only; `moe.py` imports this module where it runs one).
+
+`weighted_sum` is the CUDA kernel of `moe.moe_weighted_sum`: the combine of a rank's grouped
+experts. Each program takes one token and a block of hidden columns, gathers the token's k
+expert rows, weighs them and sums them in fp32 registers in slot order, so the result is
+deterministic and the only memory traffic is the rows read once and the output written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Columns per program: 1024 bf16 values are 16 bytes for each of 4 warps' threads.
+MAX_BLOCK = 1024
+
+
+@triton.jit
+def _weighted_sum_kernel(
+    y, rows, weights, out, hidden, y_stride, K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Program (t, c): columns [c BLOCK, (c + 1) BLOCK) of out[t] = the sum over slots j of
+    weights[t, j] * y[rows[t, j]]; y `[m, hidden]` with row stride y_stride, rows `[n, K]`
+    int64, weights `[n, K]` fp32, out `[n, hidden]` contiguous."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(K):
+        row = tl.load(rows + token * K + slot)
+        valid = row >= 0
+        # a skipped slot loads nothing: its row and weight may hold anything, NaN included
+        weight = tl.load(weights + token * K + slot, mask=valid, other=0.0)
+        values = tl.load(y + row * y_stride + cols, mask=in_row & valid, other=0.0)
+        total += values.to(tl.float32) * weight
+    tl.store(out + token * hidden + cols, total.to(out.dtype.element_ty), mask=in_row)
+
+
+def weighted_sum(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """As `moe.moe_weighted_sum`: y `[m, hidden]` (bf16, fp16 or fp32), rows `[n, k]` int64
+    (-1: skip the slot), weights `[n, k]` fp32, all on one CUDA device; out `[n, hidden]` in
+    y's dtype. One launch, no host synchronization: CUDA graphs can capture it."""
+    n, k = rows.shape
+    hidden = y.shape[1]
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    rows, weights = rows.contiguous(), weights.contiguous()
+    out = torch.empty(n, hidden, dtype=y.dtype, device=y.device)
+    if n == 0:
+        return out
+    block = min(MAX_BLOCK, triton.next_power_of_2(hidden))
+    grid = (n, triton.cdiv(hidden, block))
+    with torch.cuda.device(y.device):
+        _weighted_sum_kernel[grid](
+            y,
+            rows,
+            weights,
+            out,
+            hidden,
+            y.stride(0),
+            K=k,
+            BLOCK=block,
+            num_warps=block // 256 or 1,
+        )
+    return out
