@@ -81,7 +81,7 @@ DENSE = [
     ((), 300, 336, 256),
     ((), 100, 200, 130),
     ((), 512, 2048, 1536),
-    ((), 256, 7168, 576),
+    ((), 512, 7168, 576),  # with ((), 512, 2048, 1536): through scaled_mm (>= 512 rows)
 ]
 BATCHED = [(4, 1, 256, 192), (6, 70, 512, 576), (3, 130, 384, 256)]  # e, m, k, n
 # rows, k, n, offsets: an expert without rows, rows past offsets[-1], groups under and over 128

@@ -134,10 +134,10 @@ class FP8Experts(RoutedExperts):
         """As `Experts.forward`, always through the grouped GEMMs."""
         return self.grouped(x, ids, weights)
 
-    def mlp(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
         def project(rows, name):
             weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
-            return fp8_block_gemm(*rows, weight, scales, offsets, x.dtype)
+            return fp8_block_gemm(*rows, weight, scales, offsets, x.dtype, counts)
 
         rows = quantize_activations(x)
         hidden = F.silu(project(rows, "gate_proj")) * project(rows, "up_proj")

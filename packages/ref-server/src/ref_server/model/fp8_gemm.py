@@ -46,7 +46,10 @@ BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DENSE_BACKENDS = ("triton", "scaled_mm")
-DENSE_BACKEND = "triton"  # the dense layout's implementation on CUDA, for fp8_block_gemm
+DENSE_BACKEND = "scaled_mm"  # the dense layout's implementation on CUDA, for fp8_block_gemm
+# On the H200 (bench_fp8_gemm.py, 2026-12-02) cuBLASLt's blockwise GEMM beat the Triton kernel
+# on V3's projections from 512 rows (1.2-1.6x at 4096 and more) and lost at 128 (decode).
+SCALED_MM_MIN_ROWS = 512
 
 
 def blocks(n: int) -> int:
@@ -187,7 +190,8 @@ def scaled_mm_takes(rows: int, n: int, k: int, out_dtype: torch.dtype, device) -
     """Whether `scaled_mm_block_gemm` runs x `[rows, k]` @ w `[n, k]`^T: an sm90 device and a
     torch whose _scaled_mm has blockwise scaling, bf16 out, whole 128-channel blocks in a
     multiple of 4 (cuBLASLt pads the weight scales' k blocks to 4 otherwise; torch's strides
-    do not), n a multiple of 16, rows a multiple of 4 (16-byte aligned columns of x_scales)."""
+    do not), n a multiple of 16, rows a multiple of 4 (16-byte aligned columns of x_scales)
+    and at least SCALED_MM_MIN_ROWS (below, the Triton kernel measured faster)."""
     return (
         SCALED_MM_BLOCKWISE
         and torch.device(device).type == "cuda"
@@ -196,7 +200,7 @@ def scaled_mm_takes(rows: int, n: int, k: int, out_dtype: torch.dtype, device) -
         and k % (4 * BLOCK) == 0
         and n % 16 == 0
         and rows % 4 == 0
-        and rows > 0
+        and rows >= SCALED_MM_MIN_ROWS
     )
 
 

@@ -100,9 +100,10 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
 
-    def mlp(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
         """Rows through their experts: x `[m, hidden]` grouped by expert, group g ending at row
-        offsets[g] (`[e]` int32), or x `[e, rows, hidden]` with offsets None. Out: x's shape."""
+        offsets[g] (`[e]` int32), or x `[e, rows, hidden]` with offsets None, of which only
+        the first counts[e] rows (`[e]` int32, if given) need be right. Out: x's shape."""
         raise NotImplementedError
 
     def grouped(self, x, ids, weights) -> torch.Tensor:
@@ -124,11 +125,12 @@ class RoutedExperts(nn.Module):
         rows = torch.where(valid, rows, -1).view(n, k)
         return moe_weighted_sum(y, rows, weights.float())
 
-    def packed(self, x: torch.Tensor) -> torch.Tensor:
+    def packed(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """x `[e, rows, hidden]`, row i of expert e a token for it: each row through its
-        expert, unweighted (a low-latency combine weighs them). Every row runs, valid or not,
-        so the shapes are fixed (what CUDA graphs need)."""
-        return self.mlp(x)
+        expert, unweighted (a low-latency combine weighs them). The shapes are fixed (what CUDA
+        graphs need); counts `[e]` int32, each expert's valid rows, lets a layout skip the
+        others (FP8 does; bf16 runs every row)."""
+        return self.mlp(x, counts=counts)
 
 
 class Experts(RoutedExperts):
@@ -156,7 +158,7 @@ class Experts(RoutedExperts):
             out.index_add_(0, token, y.to(x.dtype))
         return out
 
-    def mlp(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
         def project(rows, weight):
             if offsets is None:
                 return torch.bmm(rows, weight.transpose(1, 2))
@@ -227,7 +229,7 @@ class MoE(nn.Module):
     def op_experts(self, state) -> None:
         received = state.pop("received")
         if isinstance(received, Packed):
-            out = self.experts.packed(received.x.to(self.dtype))
+            out = self.experts.packed(received.x.to(self.dtype), received.count)
         else:
             out = self.experts(received.x.to(self.dtype), received.ids, received.weights)
         state.expert_out = (out, received)
