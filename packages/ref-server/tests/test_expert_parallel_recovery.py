@@ -57,5 +57,10 @@ def test_low_latency_decode_over_two_gloo_ranks_matches_the_normal_mode(checkpoi
     run_ranks(2, SCENARIOS, "engines_decode_low_latency", checkpoint, limit=300)
 
 
+def test_fp8_low_latency_decode_sends_fp8_rows_and_matches_the_normal_mode(checkpoint):
+    scenario = "low_latency_decode_matches_the_normal_mode"
+    run_ranks(2, SCENARIOS, scenario, checkpoint, "cpu", "fp8", limit=300)
+
+
 def test_a_failed_exchange_is_rebuilt_and_a_failed_rebuild_stops_the_instance(checkpoint):
     run_ranks(2, SCENARIOS, "a_failed_exchange_is_rebuilt", checkpoint, limit=300)

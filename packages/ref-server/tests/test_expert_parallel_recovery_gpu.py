@@ -21,10 +21,10 @@ def checkpoint(checkpoints, tmp_path):
     return str(tmp_path)
 
 
-def test_low_latency_decode_on_the_cuda_backend_matches_the_normal_mode(checkpoint):
-    run_ranks(
-        2, SCENARIOS, "low_latency_decode_matches_the_normal_mode", checkpoint, "cuda", limit=600
-    )
+@pytest.mark.parametrize("weight_dtype", [None, "fp8"])
+def test_low_latency_decode_on_the_cuda_backend_matches_the_normal_mode(checkpoint, weight_dtype):
+    scenario = "low_latency_decode_matches_the_normal_mode"
+    run_ranks(2, SCENARIOS, scenario, checkpoint, "cuda", weight_dtype, limit=600)
 
 
 def test_low_latency_decode_graphs_match_the_eager_step(checkpoint):

@@ -67,6 +67,15 @@ def test_activations_are_quantized_per_token_and_128_channels():
     assert torch.equal(our_scales, their_scales)
 
 
+def test_no_rows_quantize_and_multiply_to_empty_tensors():
+    """An expert-parallel rank without tokens runs its FP8 layers on 0 rows."""
+    values, scales = quantize_activations(torch.empty(0, 300))
+    assert values.shape == (0, 300) and scales.shape == (0, 3)
+    layer = FP8Linear(300, 70)
+    layer.weight, layer.weight_scale_inv = quantize_blocks(torch.randn(70, 300))
+    assert layer(torch.empty(0, 300)).shape == (0, 70)
+
+
 def float64_reference(x_fp8, x_scales, w_fp8, w_scales) -> tuple[torch.Tensor, torch.Tensor]:
     return (
         dequantize_activations(x_fp8, x_scales).double(),

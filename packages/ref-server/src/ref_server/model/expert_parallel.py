@@ -48,11 +48,12 @@ class Dispatched:
 @dataclass
 class Packed:
     """Rows a low-latency dispatch gave this rank's experts: x `[E_local, R * T, hidden]` bf16,
-    of which the first count[e] rows of expert e are valid (the combine reads no others);
+    or with FP8 the pair (values e4m3, scales fp32 `[E_local, R * T, hidden / 128]`), of which
+    the first count[e] rows of expert e are valid (the combine reads no others);
     handle: ep_comm's; ids and weights `[n, k]`: this rank's own tokens' choices, which the
     combine applies on the way back."""
 
-    x: torch.Tensor
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     count: torch.Tensor
     handle: object
     ids: torch.Tensor
@@ -164,17 +165,19 @@ class ExpertParallel:
         return combined, event
 
     def low_latency_dispatch(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, use_fp8: bool = False
     ) -> tuple[Packed, Callable[[], None]]:
         """x `[n, hidden]` (n <= T) and its global expert ids and weights `[n, k]` to this
-        rank's experts' packed rows, in bf16. Only sends: the rows are there once the returned
+        rank's experts' packed rows, in bf16, or with use_fp8 cast to e4m3 with a scale per
+        token and 128 channels before they travel (half the bytes; what FP8 experts would
+        compute from the bf16 rows anyway). Only sends: the rows are there once the returned
         hook has been called."""
         recv_x, count, handle, _, hook = self.buffer.low_latency_dispatch(
             x.to(torch.bfloat16),
             ids,
             self.max_decode_tokens,
             self.num_experts,
-            use_fp8=False,
+            use_fp8=use_fp8,
             return_recv_hook=True,
         )
         return Packed(recv_x, count, handle, ids, weights.float()), hook

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
+from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
+from ref_server.model.fp8_cast import cast_activations
 from ref_server.model.fp8_gemm import DENSE_BACKEND, block_gemm
 from ref_server.model.moe import Experts, RoutedExperts
 
@@ -52,15 +53,11 @@ def dequantize_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Ten
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[..., k]` (bf16 or fp32) to e4m3 values `[..., k]` and scales `[..., ceil(k/128)]`
-    fp32, one per token and 128 channels (`per_token_cast_to_fp8`; a partial last group is
-    padded with zeros, which leave its amax alone)."""
-    k = x.shape[-1]
-    rows = x.reshape(-1, k)
-    if k % BLOCK:
-        rows = F.pad(rows, (0, blocks(k) * BLOCK - k))
-    values, scales = per_token_cast_to_fp8(rows)
-    return values[:, :k].reshape(x.shape), scales.reshape(*x.shape[:-1], -1)
+    """x `[..., k]` (bf16, fp16 or fp32) to e4m3 values `[..., k]` and scales
+    `[..., ceil(k/128)]` fp32, one per token and 128 channels (`per_token_cast_to_fp8`, bit for
+    bit; a partial last group is padded with zeros, which leave its amax alone), through the
+    operator `ref_server::fp8_cast_activations` (`fp8_cast`): one Triton kernel on CUDA."""
+    return cast_activations(x)
 
 
 def dequantize_activations(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -130,16 +127,30 @@ class FP8Experts(RoutedExperts):
             scales = torch.empty(num_experts, blocks(rows), blocks(cols), dtype=torch.float32)
             self.register_buffer(name + "_scale_inv", scales)
 
+    takes_fp8_rows = True
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """As `Experts.forward`, always through the grouped GEMMs."""
         return self.grouped(x, ids, weights)
 
+    def packed(self, x, counts=None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """As `RoutedExperts.packed`; x may also be a low-latency dispatch's FP8 rows, (values
+        e4m3 `[e, rows, hidden]`, scales fp32 `[e, rows, hidden / 128]`), cast as
+        `quantize_activations` casts: dtype is then the activations' (the rows carry none)."""
+        if isinstance(x, tuple):
+            return self._mlp(x, dtype, None, counts)
+        return self.mlp(x, counts=counts)
+
     def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
+        return self._mlp(quantize_activations(x), x.dtype, offsets, counts)
+
+    def _mlp(self, rows, dtype: torch.dtype, offsets, counts) -> torch.Tensor:
+        """SwiGLU over quantized rows (values, scales), each GEMM's output in dtype."""
+
         def project(rows, name):
             weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
-            return fp8_block_gemm(*rows, weight, scales, offsets, x.dtype, counts)
+            return fp8_block_gemm(*rows, weight, scales, offsets, dtype, counts)
 
-        rows = quantize_activations(x)
         hidden = F.silu(project(rows, "gate_proj")) * project(rows, "up_proj")
         return project(quantize_activations(hidden), "down_proj")
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ref_server.model.args import ModelArgs, yarn_mscale
+from ref_server.model.norm_kernels import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -18,9 +19,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """x `[..., dim]` to `[..., dim]` through `ref_server::rms_norm` (one Triton kernel on
+        CUDA, the torch ops elsewhere), in the dtype self.weight and x promote to."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:

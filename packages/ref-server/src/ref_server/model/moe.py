@@ -96,6 +96,9 @@ class RoutedExperts(nn.Module):
     grouped GEMMs (`grouped`) or given in fixed-shape blocks (`packed`), around `mlp`, each
     expert's SwiGLU MLP, which `Experts` (bf16 or fp32) and `FP8Experts` define."""
 
+    # Whether `packed` takes a low-latency dispatch's FP8 rows (values, scales) as they arrive.
+    takes_fp8_rows = False
+
     def __init__(self, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -217,7 +220,9 @@ class MoE(nn.Module):
             state.dispatched = Dispatched(x, ids, weights, None)
             return None
         if "low_latency" in state:
-            state.dispatched, hook = self.expert_parallel.low_latency_dispatch(x, ids, weights)
+            state.dispatched, hook = self.expert_parallel.low_latency_dispatch(
+                x, ids, weights, use_fp8=self.experts.takes_fp8_rows
+            )
             return hook
         worst = state.num_worst_tokens if "num_worst_tokens" in state else 0
         state.dispatched, event = self.expert_parallel.dispatch(x, ids, weights, worst)
@@ -229,7 +234,10 @@ class MoE(nn.Module):
     def op_experts(self, state) -> None:
         received = state.pop("received")
         if isinstance(received, Packed):
-            out = self.experts.packed(received.x.to(self.dtype), received.count)
+            if isinstance(received.x, tuple):  # FP8 rows, for experts that take them
+                out = self.experts.packed(received.x, received.count, self.dtype)
+            else:
+                out = self.experts.packed(received.x.to(self.dtype), received.count)
         else:
             out = self.experts(received.x.to(self.dtype), received.ids, received.weights)
         state.expert_out = (out, received)

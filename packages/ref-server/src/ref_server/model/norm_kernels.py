@@ -1,0 +1,145 @@
+"""RMS norm as one operator, `ref_server::rms_norm`, with a Triton kernel on CUDA.
+
+The math (DeepSeek-V3's): x in fp32, times rsqrt(mean(x^2) + eps) over the last dim, rounded
+to x's dtype, then times the weight in the dtype the two promote to (the product of the two
+values in fp32, rounded once). The default implementation, on any device, is `RMSNorm`'s torch
+code from before this operator, bit for bit. On CUDA one Triton kernel (`triton_rms_norm`)
+replaces its six or so elementwise and reduction kernels: each program holds one row in
+registers, reads it and the weight once and writes the result once; only the order of the
+mean's sum differs from torch's. Nothing waits for the device and the row count is no
+argument of the kernel, so CUDA graphs can capture it (after one warm-up call, which compiles
+it for the row width and dtypes).
+
+There is no autograd formula: called with tensors that require grad, the operator runs
+forward, and a backward through it raises. triton is imported on the first CUDA call only,
+so that this module imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Widest row the kernel holds in registers: 32 fp32 values for each thread of 16 warps. Wider
+# rows, and other dtypes, take the default implementation on CUDA too.
+MAX_BLOCK = 16384
+
+
+def check_inputs(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The output dtype of valid arguments (see `rms_norm`); ValueError naming what is wrong."""
+    if x.dim() == 0:
+        raise ValueError("x must be [..., dim], got a scalar")
+    for name, t in (("x", x), ("weight", weight)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(
+            f"weight must be [{x.shape[-1]}] (one per channel of x), got {tuple(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(
+            f"x and weight must be on one device: x is on {x.device}, weight on {weight.device}"
+        )
+    return torch.promote_types(weight.dtype, x.dtype)
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x `[..., dim]` (floating point) RMS-normalized over its last dim, times weight `[dim]`
+    (floating point): out `[..., dim]`, contiguous, in the dtype weight and x promote to. eps:
+    added to the mean square. See the module docstring for the rounding."""
+    check_inputs(x, weight)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    # contiguous as the fake and CUDA implementations say (torch keeps a permuted x's layout)
+    return (weight * x32.to(x.dtype)).contiguous()
+
+
+rms_norm = torch.library.custom_op("ref_server::rms_norm", _rms_norm_reference, mutates_args=())
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=check_inputs(x, weight))
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    takes = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
+    if takes and x.dim() > 0 and x.shape[-1] <= MAX_BLOCK:
+        return triton_rms_norm(x, weight, eps)
+    return _rms_norm_reference(x, weight, eps)
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` through the Triton kernel: x `[..., dim]` and weight `[dim]` fp16, bf16 or
+    fp32, dim at most MAX_BLOCK, on one CUDA device (or on the CPU with TRITON_INTERPRET=1).
+    Rows may lie any stride apart (a slice of wider rows is read in place); a last dim that is
+    not contiguous is copied first."""
+    out_dtype = check_inputs(x, weight)
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the kernel takes {name} in {KERNEL_DTYPES}, got {t.dtype}")
+    dim = x.shape[-1]
+    if dim > MAX_BLOCK:
+        raise ValueError(f"the kernel takes rows of at most {MAX_BLOCK} values, got {dim}")
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.reshape(-1, dim)  # a view where the leading dims allow
+    triton, kernel = _triton_kernel()
+    block = triton.next_power_of_2(dim)
+    # about 8 values (16 bytes of bf16) per thread, in 1 to 16 warps
+    num_warps = min(max(block // 256, 1), 16)
+    device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    with device:
+        kernel[(rows.shape[0],)](
+            rows,
+            weight.contiguous(),
+            out,
+            dim,
+            rows.stride(0),
+            eps,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
+    return out
+
+
+tl = None  # triton.language, once _triton_kernel() has imported it
+
+
+@functools.cache
+def _triton_kernel():
+    """(triton, the compiled `_rms_norm_kernel`): triton is imported here, on first use."""
+    global tl
+    import triton
+    import triton.language as tl
+
+    return triton, triton.jit(_rms_norm_kernel)
+
+
+def _rms_norm_kernel(
+    x,  # [rows, dim], row r at x + r * x_stride, its values contiguous
+    weight,  # [dim], contiguous
+    out,  # [rows, dim], contiguous
+    dim,
+    x_stride,
+    eps,  # fp32
+    BLOCK: tl.constexpr,  # the power of two at or above dim
+):
+    """Program r: out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps) in fp32, rounded to x's dtype)
+    times weight, computed in fp32 and rounded to out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < dim
+    values = tl.load(x + row * x_stride + cols, mask=in_row, other=0.0).to(tl.float32)
+    mean_square = tl.sum(values * values, axis=0) / dim
+    normalized = (values * tl.rsqrt(mean_square + eps)).to(x.dtype.element_ty)
+    w = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)
+    product = normalized.to(tl.float32) * w
+    tl.store(out + row * dim + cols, product.to(out.dtype.element_ty), mask=in_row)
