@@ -5,6 +5,9 @@ tests through `serving`."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -231,3 +234,23 @@ def tiny_deployment():
     running = Deployment(tiny_config(), startup_timeout=120)
     yield running
     running.stop()
+
+
+@pytest.fixture
+def in_triton_interpreter():
+    """Runs a test file as a script (its `__main__` checks) in a child process with Triton's
+    interpreter on, which must be so before triton is first imported (torch imports it early);
+    fails with the child's output. Skips without triton."""
+    pytest.importorskip("triton")
+
+    def run(path: str) -> None:
+        child = subprocess.run(
+            [sys.executable, path],
+            env=os.environ | {"TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert child.returncode == 0, child.stdout + child.stderr
+
+    return run

@@ -7,9 +7,6 @@ to e4m3), with CUDA graph replays of new values."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -163,18 +160,9 @@ def test_the_native_cast_is_refused_off_hopper():
 # ---- the Triton kernel on the CPU, through Triton's interpreter ----
 
 
-def test_the_kernel_in_triton_s_interpreter():
-    """`interpreted_checks` in a child process: the interpreter must be on before triton is
-    first imported, and torch imports it early."""
-    pytest.importorskip("triton")
-    child = subprocess.run(
-        [sys.executable, __file__],
-        env=os.environ | {"TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout + child.stderr
+def test_the_kernel_in_triton_s_interpreter(in_triton_interpreter):
+    """`interpreted_checks`, in Triton's interpreter."""
+    in_triton_interpreter(__file__)
 
 
 # rows and k, and the dtypes tried at them: 300 x 7168 takes the interpreter seconds a dtype

@@ -6,9 +6,6 @@ Triton kernel on the CPU through Triton's interpreter (where triton is installed
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -204,18 +201,9 @@ def test_the_kernel_refuses_what_it_does_not_take():
 # ---- the Triton kernel on the CPU, through Triton's interpreter ----
 
 
-def test_the_kernel_in_triton_s_interpreter():
-    """`interpreted_checks` in a child process: the interpreter must be on before triton is
-    first imported, and torch imports it early."""
-    pytest.importorskip("triton")
-    child = subprocess.run(
-        [sys.executable, __file__],
-        env=os.environ | {"TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout + child.stderr
+def test_the_kernel_in_triton_s_interpreter(in_triton_interpreter):
+    """`interpreted_checks`, in Triton's interpreter."""
+    in_triton_interpreter(__file__)
 
 
 def interpreted_checks():

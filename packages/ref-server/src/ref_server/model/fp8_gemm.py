@@ -174,7 +174,7 @@ def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend):
     use_cublas = dense_backend == "scaled_mm" and layout.kind == "dense"
     if use_cublas and scaled_mm_takes(layout.rows, layout.n, layout.k, out_dtype, x.device):
         return scaled_mm_block_gemm(x, x_scales, w, w_scales, out_dtype)
-    return triton_block_gemm(x, x_scales, w, w_scales, offsets, counts, out_dtype)
+    return triton_block_gemm(x, x_scales, w, w_scales, offsets, counts, out_dtype, layout=layout)
 
 
 # torch._scaled_mm reads (1x128, 128x128) blockwise scales from torch 2.9 on, through cuBLASLt
@@ -260,13 +260,16 @@ def triton_block_gemm(
     config: KernelConfig | None = None,
     tma: bool | None = None,
     split_k: int | None = None,
+    layout: Layout | None = None,
 ) -> torch.Tensor:
     """`block_gemm` through the Triton kernel, any layout, on a CUDA device (or on the CPU with
     TRITON_INTERPRET=1). config: `pick_config`'s by default. tma: load x and w tiles through
     TMA descriptors (Hopper's bulk copies), the default where their alignment allows, or
     through masked pointer loads. split_k: how many ranges of k blocks are summed by separate
-    programs (into fp32 partial sums, then added up), `pick_split_k`'s by default."""
-    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
+    programs (into fp32 partial sums, then added up), `pick_split_k`'s by default. layout: what
+    `check_inputs` found for these arguments, from a caller that checked them already."""
+    if layout is None:
+        layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
     rows, n, k, groups = layout.rows, layout.n, layout.k, layout.groups
     config = config or pick_config(layout.group_rows)
     if BLOCK % config.block_n:
