@@ -209,10 +209,12 @@ def low_latency_decode_matches_the_normal_mode(
         ]
 
     # The exchange rounds rows to bf16 and the two modes sum a token's rows in different orders;
-    # with FP8 weights such differences can move an e4m3 rounding in a later layer. One FP8
-    # process on the CPU quantizes fp32 rows, which the exchange has not rounded to bf16.
+    # with FP8 weights such differences can move an e4m3 rounding (a step of 1/16 of the value)
+    # in a later layer's activations. One FP8 process on the CPU quantizes fp32 rows, which the
+    # exchange has not rounded to bf16; on the GPU it combines the experts' rows in another
+    # order than the low-latency combine (one logit of 1,200 was 0.14 off there).
     tol = 3e-2 if weight_dtype is None else 0.1
-    alone_tol = 0.25 if weight_dtype == "fp8" and dtype == torch.float32 else tol
+    alone_tol = 0.25 if weight_dtype == "fp8" else tol
 
     def close(got, want, tolerance: float = tol) -> None:
         assert_close_logits(got, want, tolerance)

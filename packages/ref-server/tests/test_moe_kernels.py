@@ -128,10 +128,10 @@ def test_the_router_gemm_in_bf16_keeps_fp32_scores(hidden):
     g = torch.Generator().manual_seed(3)
     gate.weight.data.copy_(torch.randn(gate.weight.shape, generator=g) * 0.02)
     x = torch.randn(1000, hidden, generator=g).to("cuda", torch.bfloat16)
-    scores = gate.scores(x)
+    scores = gate.logits(x).sigmoid()
     assert scores.dtype == torch.float32
     want = F.linear(x.double(), gate.weight.double()).sigmoid()
     fp32 = F.linear(x.float(), gate.weight.float()).sigmoid()
     torch.testing.assert_close(scores.double(), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(fp32.double(), want, rtol=0, atol=1e-5)
-    assert gate.scores(x[:0]).shape == (0, args.n_routed_experts)
+    assert gate.logits(x[:0]).shape == (0, args.n_routed_experts)

@@ -1,7 +1,8 @@
-"""The RMS norm operator (`ref_server::rms_norm`): on the CPU, bit for bit the torch formula
-`RMSNorm` ran before it, with opcheck, fake shapes, torch.compile and argument checks; its
-Triton kernel on the CPU through Triton's interpreter (where triton is installed); on the GPU
-(`gpu` marker), the kernel against float64, in CUDA graphs, and in a model step."""
+"""The RMS norm operators (`ref_server::rms_norm`, `ref_server::add_rms_norm`): on the CPU, bit
+for bit the torch formula `RMSNorm` ran before them (after torch's add), with opcheck, fake
+shapes, torch.compile and argument checks; their Triton kernel on the CPU through Triton's
+interpreter (where triton is installed); on the GPU (`gpu` marker), the kernel against float64
+(the sum: torch's add, exactly), in CUDA graphs, and in a model step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import torch
 import ref_server.model as M
 from ref_server.model import StepBatch
 from ref_server.model.layers import RMSNorm
-from ref_server.model.norm_kernels import rms_norm, triton_rms_norm
+from ref_server.model.norm_kernels import (
+    add_rms_norm,
+    rms_norm,
+    triton_add_rms_norm,
+    triton_rms_norm,
+)
 
 gpu = pytest.mark.gpu
 EPS = 1e-6
@@ -198,6 +204,32 @@ def test_the_kernel_refuses_what_it_does_not_take():
         triton_rms_norm(x, weight, EPS)
 
 
+# ---- the residual add and the norm ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 64), (2, 3, 1536), (0, 512)])
+def test_add_rms_norm_on_the_cpu_is_torch_s_add_then_the_norm_bit_for_bit(shape, dtype):
+    x, weight = problem(shape, dtype, seed=1)
+    residual = problem(shape, dtype, seed=2)[0]
+    total, normed = add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, torch_formula(x + residual, weight, EPS))
+
+
+def test_add_rms_norm_opcheck_fake_and_bad_arguments():
+    x, weight = problem((2, 5, 64), torch.bfloat16)
+    residual = problem((2, 5, 64), torch.bfloat16, seed=3)[0]
+    torch.library.opcheck(add_rms_norm, (x, residual, weight, EPS))
+    total, normed = add_rms_norm(x.to("meta"), residual.to("meta"), weight.float().to("meta"), EPS)
+    assert (total.shape, total.dtype) == (x.shape, torch.bfloat16)
+    assert (normed.shape, normed.dtype) == (x.shape, torch.float32)
+    with pytest.raises(ValueError, match="residual must be x's shape and dtype"):
+        add_rms_norm(x, residual[:1], weight, EPS)
+    with pytest.raises(ValueError, match="residual must be x's shape and dtype"):
+        add_rms_norm(x, residual.float(), weight, EPS)
+
+
 # ---- the Triton kernel on the CPU, through Triton's interpreter ----
 
 
@@ -227,6 +259,14 @@ def interpreted_checks():
     check(triton_rms_norm(x, weight, EPS), x, weight, interpreted=True)
     x, weight = problem((0, 3, 64), torch.bfloat16)
     assert triton_rms_norm(x, weight, EPS).shape == (0, 3, 64)
+    for dtype in (torch.float32, torch.float16):  # bf16: the interpreter truncates the sum
+        wide, weight = problem((5, 576), dtype, seed=4)
+        x, residual = wide[:, :512], problem((5, 512), dtype, seed=5)[0]
+        total, normed = triton_add_rms_norm(x, residual, weight[:512], EPS)
+        assert torch.equal(total, x + residual)
+        assert torch.equal(normed, triton_rms_norm(total, weight[:512], EPS))
+    x, weight = problem((0, 64), torch.bfloat16)
+    assert [t.shape for t in triton_add_rms_norm(x, x, weight, EPS)] == [(0, 64), (0, 64)]
 
 
 # ---- GPU ----
@@ -241,6 +281,22 @@ def test_the_kernel_matches_float64(dim, rows, x_dtype, w_dtype):
     got = rms_norm(x, weight, EPS)
     check(got, x, weight)
     assert torch.equal(rms_norm(x, weight, EPS), got)  # deterministic
+
+
+@gpu
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("dim", [2048, 7168, 1000])
+def test_add_rms_norm_on_the_gpu_is_torch_s_add_then_the_kernel(dim, rows, x_dtype, w_dtype):
+    """The sum bit for bit torch's add; the normalized rows bit for bit the norm kernel's of
+    that sum, which the float64 check covers; a residual of strided rows read in place."""
+    x, weight = problem((rows, dim), x_dtype, w_dtype, device="cuda", seed=dim + rows)
+    wide = problem((rows, dim + 64), x_dtype, device="cuda", seed=dim)[0]
+    residual = wide[:, :dim]
+    total, normed = add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, rms_norm(x + residual, weight, EPS))
+    check(normed, x + residual, weight)
 
 
 @gpu
@@ -288,7 +344,7 @@ def test_the_kernel_replays_in_a_cuda_graph():
 
 @gpu
 def test_opcheck_on_cuda():
-    torch.library.opcheck(rms_norm, problem((9, 1536), torch.bfloat16, device="cuda"))
+    torch.library.opcheck(rms_norm, (*problem((9, 1536), torch.bfloat16, device="cuda"), EPS))
 
 
 @gpu

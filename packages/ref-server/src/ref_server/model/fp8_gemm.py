@@ -45,6 +45,7 @@ import torch
 BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+UNSCALED_DTYPES = (torch.bfloat16, torch.float16)  # operands the kernel also takes unscaled
 DENSE_BACKENDS = ("triton", "scaled_mm")
 DENSE_BACKEND = "scaled_mm"  # the dense layout's implementation on CUDA, for fp8_block_gemm
 # On the H200 (bench_fp8_gemm.py, 2026-12-02) cuBLASLt's blockwise GEMM beat the Triton kernel
@@ -71,43 +72,53 @@ class Layout(NamedTuple):
 
 
 def check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend) -> Layout:
-    """The layout of valid arguments (see `block_gemm`); ValueError naming what is wrong."""
-    tensors = dict(x_fp8=x, x_scales=x_scales, w_fp8=w, w_scales=w_scales)
-    tensors |= {name: t for name, t in (("offsets", offsets), ("counts", counts)) if t is not None}
+    """The layout of valid arguments (see `block_gemm`; x_scales and w_scales None: unscaled
+    half-precision operands, see `triton_block_gemm`); ValueError naming what is wrong."""
+    named = dict(x_scales=x_scales, w_scales=w_scales, offsets=offsets, counts=counts)
+    tensors = dict(x=x, w=w) | {name: t for name, t in named.items() if t is not None}
     for name, t in tensors.items():
         if t.device != x.device:
             raise ValueError(
-                f"all tensors must be on one device: x_fp8 is on {x.device}, {name} on {t.device}"
+                f"all tensors must be on one device: x is on {x.device}, {name} on {t.device}"
             )
-    dtypes = dict(x_fp8=FP8, w_fp8=FP8, x_scales=torch.float32, w_scales=torch.float32)
-    for name, dtype in dtypes.items():
-        t = tensors[name]
-        if t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    scaled = x_scales is not None or w_scales is not None
+    if scaled:
+        dtypes = dict(x=FP8, w=FP8, x_scales=torch.float32, w_scales=torch.float32)
+        for name, dtype in dtypes.items():
+            t = tensors.get(name)
+            if t is None:
+                raise ValueError(f"{name} is missing: FP8 operands take both scales")
+            if t.dtype != dtype:
+                raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    elif x.dtype not in OUT_DTYPES or w.dtype != x.dtype:
+        raise ValueError(
+            f"without scales, x and w must be one of {OUT_DTYPES}, got {x.dtype} and {w.dtype}"
+        )
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     if dense_backend not in DENSE_BACKENDS:
         raise ValueError(f"dense_backend must be one of {DENSE_BACKENDS}, got {dense_backend!r}")
     if w.dim() not in (2, 3):
-        raise ValueError(f"w_fp8 must be [n, k] or [e, n, k], got shape {tuple(w.shape)}")
+        raise ValueError(f"w must be [n, k] or [e, n, k], got shape {tuple(w.shape)}")
     if x.dim() == 0:
-        raise ValueError("x_fp8 must be [..., k], got a scalar")
+        raise ValueError("x must be [..., k], got a scalar")
     n, k = w.shape[-2:]
     if x.shape[-1] != k:
-        raise ValueError(f"x_fp8 has k = {x.shape[-1]} channels but w_fp8 has k = {k}")
-    want = (*x.shape[:-1], blocks(k))
-    if tuple(x_scales.shape) != want:
-        got = tuple(x_scales.shape)
-        raise ValueError(f"x_scales must be {want} (one per token and 128 channels), got {got}")
-    want = (*w.shape[:-2], blocks(n), blocks(k))
-    if tuple(w_scales.shape) != want:
-        got = tuple(w_scales.shape)
-        raise ValueError(f"w_scales must be {want} (one per 128 x 128 block), got {got}")
+        raise ValueError(f"x has k = {x.shape[-1]} channels but w has k = {k}")
+    if scaled:
+        want = (*x.shape[:-1], blocks(k))
+        if tuple(x_scales.shape) != want:
+            got = tuple(x_scales.shape)
+            raise ValueError(f"x_scales must be {want} (one per token and 128 channels), got {got}")
+        want = (*w.shape[:-2], blocks(n), blocks(k))
+        if tuple(w_scales.shape) != want:
+            got = tuple(w_scales.shape)
+            raise ValueError(f"w_scales must be {want} (one per 128 x 128 block), got {got}")
     rows = math.prod(x.shape[:-1])
     if w.dim() == 2:
         for name, t in (("offsets", offsets), ("counts", counts)):
             if t is not None:
-                raise ValueError(f"{name} is for experts' weights [e, n, k]; w_fp8 is [n, k]")
+                raise ValueError(f"{name} is for experts' weights [e, n, k]; w is [n, k]")
         return Layout("dense", rows, n, k, 1, rows, (*x.shape[:-1], n))
     e = w.shape[0]
     if offsets is not None:
@@ -116,12 +127,12 @@ def check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_bac
                 "pass offsets (x [m, k], rows grouped by expert) or counts (x [e, m, k]), not both"
             )
         if x.dim() != 2:
-            raise ValueError(f"with offsets, x_fp8 must be [m, k], got {tuple(x.shape)}")
+            raise ValueError(f"with offsets, x must be [m, k], got {tuple(x.shape)}")
         check_group_sizes("offsets", offsets, e)
         return Layout("grouped", rows, n, k, e, rows // max(e, 1), (rows, n))
     if x.dim() != 3 or x.shape[0] != e:
         raise ValueError(
-            f"x_fp8 must be [e, m, k] with e = {e} experts (or [m, k] with offsets), "
+            f"x must be [e, m, k] with e = {e} experts (or [m, k] with offsets), "
             f"got {tuple(x.shape)}"
         )
     if counts is not None:
@@ -239,9 +250,9 @@ def pick_config(group_rows: int) -> KernelConfig:
 
 
 def pick_split_k(tiles: int, k_blocks: int, sms: int) -> int:
-    """1 where the output tiles fill the device's SMs; else the most ranges of at least 4 k
-    blocks each (dividing them) that keep tiles x ranges within two programs per SM: small-m
-    layers (decode) would leave most SMs idle otherwise."""
+    """1 where the output tiles that hold rows fill the device's SMs; else the most ranges of
+    at least 4 k blocks each (dividing them) that keep tiles x ranges within two programs per
+    SM: small-m layers (decode) would leave most SMs idle otherwise."""
     if tiles >= sms:
         return 1
     fitting = [s for s in range(1, k_blocks // 4 + 1) if k_blocks % s == 0 and tiles * s <= 2 * sms]
@@ -250,9 +261,9 @@ def pick_split_k(tiles: int, k_blocks: int, sms: int) -> int:
 
 def triton_block_gemm(
     x: torch.Tensor,
-    x_scales: torch.Tensor,
+    x_scales: torch.Tensor | None,
     w: torch.Tensor,
-    w_scales: torch.Tensor,
+    w_scales: torch.Tensor | None,
     offsets: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
@@ -263,11 +274,13 @@ def triton_block_gemm(
     layout: Layout | None = None,
 ) -> torch.Tensor:
     """`block_gemm` through the Triton kernel, any layout, on a CUDA device (or on the CPU with
-    TRITON_INTERPRET=1). config: `pick_config`'s by default. tma: load x and w tiles through
-    TMA descriptors (Hopper's bulk copies), the default where their alignment allows, or
-    through masked pointer loads. split_k: how many ranges of k blocks are summed by separate
-    programs (into fp32 partial sums, then added up), `pick_split_k`'s by default. layout: what
-    `check_inputs` found for these arguments, from a caller that checked them already."""
+    TRITON_INTERPRET=1). With x_scales and w_scales None, x and w are bf16 or fp16 (one dtype)
+    and multiplied as they are: the same kernel then serves the experts' half-precision GEMMs
+    (`expert_gemm`), k in steps of 64. config: `pick_config`'s by default. tma: load x and w
+    tiles through TMA descriptors (Hopper's bulk copies), the default where their alignment
+    allows, or through masked pointer loads. split_k: how many ranges of k steps are summed by
+    separate programs (into fp32 partial sums, then added up), `pick_split_k`'s by default.
+    layout: what `check_inputs` found for these arguments, from a caller that checked them."""
     if layout is None:
         layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
     rows, n, k, groups = layout.rows, layout.n, layout.k, layout.groups
@@ -277,44 +290,57 @@ def triton_block_gemm(
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     if rows == 0 or n == 0 or groups == 0:
         return out.view(layout.out_shape)
+    scaled = x_scales is not None
+    if not scaled and x.dtype not in UNSCALED_DTYPES:
+        raise ValueError(f"the kernel takes unscaled operands in {UNSCALED_DTYPES}, got {x.dtype}")
+    # FP8: one step per scale block; half precision: 64 channels, 128 bytes as FP8's 128
+    block_k = BLOCK if scaled else BLOCK // 2
+    k_blocks = -(-k // block_k)
     x = x.reshape(rows, k)
     if x.stride(1) != 1:
         x = x.contiguous()
     w = w.reshape(groups * n, k).contiguous()
-    x_scales = x_scales.reshape(rows, blocks(k))
-    w_scales = w_scales.reshape(groups, blocks(n), blocks(k))
+    if scaled:
+        x_scales = x_scales.reshape(rows, blocks(k))
+        w_scales = w_scales.reshape(groups, blocks(n), blocks(k))
+    else:  # never read: any tensor with the strides' dims
+        x_scales, w_scales = x.new_empty(0, 0, dtype=torch.float32), x.new_empty(0, 0, 0)
 
     tile_rows = -(-rows // config.block_m)
+    busy_rows = tile_rows  # row tiles that hold rows (at most)
     if layout.kind == "batched":
-        tile_rows = groups * -(-layout.group_rows // config.block_m)
+        tile_rows = busy_rows = groups * -(-layout.group_rows // config.block_m)
     elif layout.kind == "grouped":
         tile_rows += groups  # each group's last tile may be partial
-    tiles = tile_rows * -(-n // config.block_n)
+        busy_rows += min(groups, rows)
+    tile_cols = -(-n // config.block_n)
     if split_k is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        split_k = pick_split_k(tiles, blocks(k), sms)
-    if blocks(k) % split_k:
-        raise ValueError(f"split_k must divide the {blocks(k)} blocks of k, got {split_k}")
+        split_k = pick_split_k(busy_rows * tile_cols, k_blocks, sms)
+    if k_blocks % split_k:
+        raise ValueError(f"split_k must divide the {k_blocks} blocks of k, got {split_k}")
     partial = out if split_k == 1 else x.new_empty(split_k, rows, n, dtype=torch.float32)
 
     triton, kernel = _triton_kernel()
-    aligned = all(t.data_ptr() % 16 == 0 for t in (x, w)) and x.stride(0) % 16 == 0
-    fits = k >= BLOCK and k % 16 == 0 and rows >= config.block_m and groups * n >= config.block_n
+    size = x.element_size()
+    aligned = all(t.data_ptr() % 16 == 0 for t in (x, w)) and x.stride(0) * size % 16 == 0
+    whole_tiles = rows >= config.block_m and groups * n >= config.block_n
+    fits = k >= block_k and k * size % 16 == 0 and whole_tiles
     if tma is None:
         tma = aligned and fits
     elif tma and not (aligned and fits):
         raise ValueError(
-            "tma needs 16-byte aligned x and w, k a multiple of 16 and at least 128, and at "
-            "least one whole tile of rows and of columns"
+            "tma needs 16-byte aligned x and w, rows of x and w in multiples of 16 bytes and "
+            "at least one k step long, and at least one whole tile of rows and of columns"
         )
     x_in, w_in = x, w
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        x_in = TensorDescriptor.from_tensor(x, [config.block_m, BLOCK])
-        w_in = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK])
+        x_in = TensorDescriptor.from_tensor(x, [config.block_m, block_k])
+        w_in = TensorDescriptor.from_tensor(w, [config.block_n, block_k])
     sizes = offsets if offsets is not None else counts
-    kernel[(tiles * split_k,)](
+    kernel[(tile_rows * tile_cols * split_k,)](
         x_in,
         x_scales,
         w_in,
@@ -336,8 +362,10 @@ def triton_block_gemm(
         LAYOUT=layout.kind,
         COUNTS=counts is not None,
         TMA=tma,
+        SCALED=scaled,
         GROUPS=triton.next_power_of_2(max(groups, 2)),
-        K_BLOCKS=blocks(k),
+        K_BLOCKS=k_blocks,
+        BLOCK_K=block_k,
         SPLIT_K=split_k,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -345,7 +373,7 @@ def triton_block_gemm(
         num_stages=config.num_stages,
     )
     if split_k > 1:
-        out.copy_(partial.sum(0))
+        torch.sum(partial, 0, out=out)  # one kernel, rounding once into out's dtype
     return out.view(layout.out_shape)
 
 
@@ -366,10 +394,10 @@ def _triton_kernel():
 
 
 def _block_gemm_kernel(
-    x,  # e4m3 [rows, k] (pointer, or TMA descriptor of [BLOCK_M, 128] tiles)
-    x_scales,  # fp32 [rows, ceil(k/128)]
-    w,  # e4m3 [groups * n, k] (pointer, or TMA descriptor of [BLOCK_N, 128] tiles)
-    w_scales,  # fp32 [groups, ceil(n/128), ceil(k/128)]
+    x,  # e4m3 (unscaled: bf16, fp16) [rows, k]: pointer, or TMA descriptor of [BLOCK_M, BLOCK_K]
+    x_scales,  # fp32 [rows, ceil(k/128)] (SCALED)
+    w,  # as x, [groups * n, k]; pointer or TMA descriptor of [BLOCK_N, BLOCK_K] tiles
+    w_scales,  # fp32 [groups, ceil(n/128), ceil(k/128)] (SCALED)
     out,  # [rows, n], contiguous; with SPLIT_K > 1, fp32 [SPLIT_K, rows, n] partial sums
     sizes,  # int32 [groups]: offsets (grouped) or counts (batched with COUNTS)
     rows,
@@ -387,14 +415,15 @@ def _block_gemm_kernel(
     LAYOUT: tl.constexpr,  # "dense", "batched" or "grouped"
     COUNTS: tl.constexpr,
     TMA: tl.constexpr,
+    SCALED: tl.constexpr,  # FP8 operands with their scales, or half-precision ones without
     GROUPS: tl.constexpr,  # a power of two >= groups
-    K_BLOCKS: tl.constexpr,  # ceil(k / 128); a constant, since Triton 3.6's interpreter
+    K_BLOCKS: tl.constexpr,  # ceil(k / BLOCK_K); a constant, since Triton 3.6's interpreter
     # cannot loop to a run-time bound under numpy >= 2.4 (and a model has few values of k)
+    BLOCK_K: tl.constexpr,  # channels per step: 128 (one scale block) when SCALED
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing K_BLOCKS / SPLIT_K blocks
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    BLOCK_K: tl.constexpr = 128
     SWIZZLE: tl.constexpr = 8  # row tiles that sweep the columns together (L2 reuse of w)
     K_STEPS: tl.constexpr = K_BLOCKS // SPLIT_K
     tile_cols = tl.cdiv(n, BLOCK_N)
@@ -441,7 +470,7 @@ def _block_gemm_kernel(
     col_ok = col_ids < n
     w_row = group * n + n_start
     x_scale_ptrs = x_scales + row_ids.to(tl.int64) * stride_xs_row
-    w_scale_ptr = w_scales + group * stride_ws_group + (n_start // BLOCK_K) * stride_ws_row
+    w_scale_ptr = w_scales + group * stride_ws_group + (n_start // 128) * stride_ws_row
     if not TMA:
         k_first = split * K_STEPS * BLOCK_K + k_ids
         x_ptrs = x + row_ids.to(tl.int64)[:, None] * stride_x + k_first[None, :]
@@ -460,9 +489,12 @@ def _block_gemm_kernel(
             b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        a_scale = tl.load(x_scale_ptrs + kb * stride_xs_k, mask=row_ok, other=0.0)
-        b_scale = tl.load(w_scale_ptr + kb * stride_ws_k)
-        acc += tl.dot(a, b.T) * (a_scale[:, None] * b_scale)
+        if SCALED:
+            a_scale = tl.load(x_scale_ptrs + kb * stride_xs_k, mask=row_ok, other=0.0)
+            b_scale = tl.load(w_scale_ptr + kb * stride_ws_k)
+            acc += tl.dot(a, b.T) * (a_scale[:, None] * b_scale)
+        else:
+            acc = tl.dot(a, b.T, acc)
 
     out_ptrs = out + (split * rows + row_ids).to(tl.int64)[:, None] * n + col_ids[None, :]
     tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

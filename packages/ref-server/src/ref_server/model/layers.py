@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ref_server.model.args import ModelArgs, yarn_mscale
-from ref_server.model.norm_kernels import rms_norm
+from ref_server.model.norm_kernels import add_rms_norm, rms_norm
+from ref_server.model.rope_kernels import rope
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +23,11 @@ class RMSNorm(nn.Module):
         """x `[..., dim]` to `[..., dim]` through `ref_server::rms_norm` (one Triton kernel on
         CUDA, the torch ops elsewhere), in the dtype self.weight and x promote to."""
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor):
+        """(x + residual, that sum normalized): x and residual `[..., dim]` of one dtype, in
+        one kernel on CUDA (`ref_server::add_rms_norm`)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
@@ -72,14 +78,12 @@ class Rope(nn.Module):
 
 
 def rotate(x: torch.Tensor, rotation, interleave: bool) -> torch.Tensor:
-    """x `[..., n, heads, rope]` rotated by `Rope`'s (cos, sin); interleaved pairs come out
-    de-interleaved (evens then odds), as in the reference implementation."""
+    """x `[..., n, heads, rope]` rotated by `Rope`'s (cos, sin) `[n, 1, rope / 2]` (x's dtype)
+    through `ref_server::rope` (one Triton kernel on CUDA, the torch ops elsewhere);
+    interleaved pairs come out de-interleaved (evens then odds), as in the reference
+    implementation."""
     cos, sin = rotation
-    if interleave:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rope(x, cos, sin, interleave)
 
 
 class MLP(nn.Module):

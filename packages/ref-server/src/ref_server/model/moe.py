@@ -12,13 +12,17 @@ from torch import nn
 
 from overlap_sched import State, run
 from ref_server.model.args import ModelArgs
+from ref_server.model.expert_gemm import expert_gemm
 from ref_server.model.expert_parallel import Dispatched, Packed
+from ref_server.model.expert_sort import moe_sort_by_expert_and_gather
 from ref_server.model.layers import MLP
+from ref_server.model.router_kernels import moe_route
 
 
 class Gate(nn.Module):
     """Sigmoid scores; the choice adds a per-expert bias and keeps the topk_group groups with the
-    best two-expert sums; weights are the unbiased scores, normalized, times the scaling."""
+    best two-expert sums; weights are the unbiased scores, normalized, times the scaling (all
+    of it `ref_server::moe_route`, one Triton kernel on CUDA)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -27,34 +31,31 @@ class Gate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(args.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x `[n, hidden]` to weights `[n, k]` fp32 and expert ids `[n, k]` int64."""
-        return self.select(self.scores(x))
+        """x `[n, hidden]` to weights `[n, k]` fp32 and expert ids `[n, k]` int64, the best
+        choice first."""
+        return self.select(self.logits(x))
 
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[n, hidden]` to the router's sigmoid scores `[n, experts]` fp32. Half-precision
-        operands are exact in fp32, so on CUDA a half-precision GEMM with fp32 accumulation and
-        output (`mm.dtype`, which only CUDA has) gives what an fp32 GEMM would, but for the
-        order of the sums, at tensor-core speed."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[n, hidden]` to the router's logits `[n, experts]` fp32 (before the sigmoid).
+        Half-precision operands are exact in fp32, so on CUDA a half-precision GEMM with fp32
+        accumulation and output (`mm.dtype`, which only CUDA has) gives what an fp32 GEMM
+        would, but for the order of the sums, at tensor-core speed."""
         w = self.weight
         if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
-            logits = torch.mm(x, w.t(), out_dtype=torch.float32)
-        else:
-            logits = F.linear(x.float(), w.float())
-        return logits.sigmoid()
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), w.float())
 
-    def select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
-        choice = scores + self.e_score_correction_bias.float()
-        groups = choice.view(-1, a.n_group, a.n_routed_experts // a.n_group)
-        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
-        best_groups = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
-        choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        ids = choice.topk(a.num_experts_per_tok, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * a.routed_scaling_factor, ids
+        return moe_route(
+            logits,
+            self.e_score_correction_bias,
+            a.n_group,
+            a.topk_group,
+            a.num_experts_per_tok,
+            a.norm_topk_prob,
+            a.routed_scaling_factor,
+        )
 
 
 def _weighted_sum_reference(
@@ -112,27 +113,18 @@ class RoutedExperts(nn.Module):
     def grouped(self, x, ids, weights) -> torch.Tensor:
         """x `[n, hidden]`; ids `[n, k]` local expert ids (-1: on another rank), weights `[n, k]`:
         each token's weighted sum of its experts' outputs, in x's dtype, through `mlp` over the
-        rows sorted by expert, with nothing that waits for the GPU: rows for other ranks'
-        experts (-1) sort after every group, and `moe_weighted_sum` sums each token's k outputs
-        in fp32 in slot order, skipping those."""
-        n, k = ids.shape
-        valid = ids.flatten() >= 0
-        expert = torch.where(valid, ids.flatten(), self.num_experts)
-        order = expert.argsort(stable=True)
-        ends = torch.arange(1, self.num_experts + 1, device=ids.device)
-        offsets = torch.searchsorted(expert[order], ends, out_int32=True)
-        y = self.mlp(x[order // k], offsets)
-        sorted_at = torch.arange(n * k, device=ids.device)
-        rows = torch.empty_like(order).scatter_(0, order, sorted_at)  # the inverse of the sort
-        # an -1 slot's row lies past the last group, which mlp leaves unwritten: never read it
-        rows = torch.where(valid, rows, -1).view(n, k)
-        return moe_weighted_sum(y, rows, weights.float())
+        rows sorted by expert (`moe_sort_by_expert_and_gather`, stable), with nothing that waits
+        for the GPU: rows for other ranks' experts (-1) sort after every group, which mlp leaves
+        unwritten, and `moe_weighted_sum` sums each token's k outputs in fp32 in slot order,
+        skipping those (their rows are -1)."""
+        _, offsets, rows, sorted_x = moe_sort_by_expert_and_gather(ids, self.num_experts, x)
+        return moe_weighted_sum(self.mlp(sorted_x, offsets), rows, weights.float())
 
     def packed(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """x `[e, rows, hidden]`, row i of expert e a token for it: each row through its
         expert, unweighted (a low-latency combine weighs them). The shapes are fixed (what CUDA
-        graphs need); counts `[e]` int32, each expert's valid rows, lets a layout skip the
-        others (FP8 does; bf16 runs every row)."""
+        graphs need); counts `[e]` int32, each expert's valid rows, lets the GEMMs skip the
+        others."""
         return self.mlp(x, counts=counts)
 
 
@@ -162,13 +154,8 @@ class Experts(RoutedExperts):
         return out
 
     def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
-        def project(rows, weight):
-            if offsets is None:
-                return torch.bmm(rows, weight.transpose(1, 2))
-            return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
-
-        gate, up = project(x, self.gate_up_proj).chunk(2, dim=-1)
-        return project(F.silu(gate) * up, self.down_proj)
+        gate, up = expert_gemm(x, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
+        return expert_gemm(F.silu(gate) * up, self.down_proj, offsets, counts)
 
 
 class MoE(nn.Module):
@@ -209,10 +196,10 @@ class MoE(nn.Module):
         return getattr(self, "op_" + name)
 
     def op_gate(self, state) -> None:
-        state.router_scores = self.gate.scores(state.mlp_in)
+        state.router_logits = self.gate.logits(state.mlp_in)
 
     def op_select_experts(self, state) -> None:
-        state.topk_weights, state.topk_ids = self.gate.select(state.pop("router_scores"))
+        state.topk_weights, state.topk_ids = self.gate.select(state.pop("router_logits"))
 
     def op_dispatch_a(self, state):
         x, weights, ids = state.mlp_in, state.pop("topk_weights"), state.pop("topk_ids")

@@ -1,4 +1,5 @@
-"""RMS norm as one operator, `ref_server::rms_norm`, with a Triton kernel on CUDA.
+"""RMS norm as one operator, `ref_server::rms_norm`, with a Triton kernel on CUDA; and
+`ref_server::add_rms_norm`, the residual stream's add and the next norm in that kernel.
 
 The math (DeepSeek-V3's): x in fp32, times rsqrt(mean(x^2) + eps) over the last dim, rounded
 to x's dtype, then times the weight in the dtype the two promote to (the product of the two
@@ -8,7 +9,9 @@ replaces its six or so elementwise and reduction kernels: each program holds one
 registers, reads it and the weight once and writes the result once; only the order of the
 mean's sum differs from torch's. Nothing waits for the device and the row count is no
 argument of the kernel, so CUDA graphs can capture it (after one warm-up call, which compiles
-it for the row width and dtypes).
+it for the row width and dtypes). `add_rms_norm` returns x + residual too (rounded to their
+dtype as torch's add rounds it), and normalizes that rounded sum: the same values as an add
+followed by `rms_norm`, in one pass.
 
 There is no autograd formula: called with tensors that require grad, the operator runs
 forward, and a backward through it raises. triton is imported on the first CUDA call only,
@@ -65,12 +68,50 @@ def _(x, weight, eps):
     return x.new_empty(x.shape, dtype=check_inputs(x, weight))
 
 
+def kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and x.shape[-1] <= MAX_BLOCK
+
+
 @rms_norm.register_kernel("cuda")
 def _(x, weight, eps):
-    takes = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
-    if takes and x.dim() > 0 and x.shape[-1] <= MAX_BLOCK:
+    if x.dim() > 0 and kernel_takes(x, weight):
         return triton_rms_norm(x, weight, eps)
     return _rms_norm_reference(x, weight, eps)
+
+
+def _add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, rms_norm of that sum): x and residual `[..., dim]`, one floating-point
+    dtype, the sum rounded to it (as torch adds) before it is normalized; both out contiguous."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must be x's shape and dtype {tuple(x.shape)} {x.dtype}, got "
+            f"{tuple(residual.shape)} {residual.dtype}"
+        )
+    total = (x + residual).contiguous()
+    return total, _rms_norm_reference(total, weight, eps)
+
+
+# The pre-norm residual stream: a block's output added to its input, and the next norm of
+# that sum, in one kernel on CUDA (one pass over both instead of an add and a norm).
+add_rms_norm = torch.library.custom_op(
+    "ref_server::add_rms_norm", _add_rms_norm_reference, mutates_args=()
+)
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    out_dtype = check_inputs(x, weight)
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=out_dtype)
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    same = residual.shape == x.shape and residual.dtype == x.dtype
+    if x.dim() > 0 and same and kernel_takes(x, weight):
+        return triton_add_rms_norm(x, residual, weight, eps)
+    return _add_rms_norm_reference(x, residual, weight, eps)
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,6 +119,22 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     fp32, dim at most MAX_BLOCK, on one CUDA device (or on the CPU with TRITON_INTERPRET=1).
     Rows may lie any stride apart (a slice of wider rows is read in place); a last dim that is
     not contiguous is copied first."""
+    return _launch(x, None, weight, eps)[1]
+
+
+def triton_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` through the Triton kernel, which adds the rows in fp32, rounds the sum to
+    x's dtype (as torch does), writes it and normalizes it: arguments as `triton_rms_norm`'s,
+    residual x's shape and dtype."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError("residual must be x's shape and dtype")
+    return _launch(x, residual, weight, eps)
+
+
+def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the sum x + residual, or None without residual; the normalized rows)."""
     out_dtype = check_inputs(x, weight)
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in KERNEL_DTYPES:
@@ -86,11 +143,15 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if dim > MAX_BLOCK:
         raise ValueError(f"the kernel takes rows of at most {MAX_BLOCK} values, got {dim}")
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    total = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
-        return out
+        return total, out
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.reshape(-1, dim)  # a view where the leading dims allow
+    if residual is not None:
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        residual = residual.reshape(-1, dim)
     triton, kernel = _triton_kernel()
     block = triton.next_power_of_2(dim)
     # about 8 values (16 bytes of bf16) per thread, in 1 to 16 warps
@@ -99,15 +160,19 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     with device:
         kernel[(rows.shape[0],)](
             rows,
+            rows if residual is None else residual,
             weight.contiguous(),
             out,
+            out if total is None else total,
             dim,
             rows.stride(0),
+            0 if residual is None else residual.stride(0),
             eps,
+            ADD=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
         )
-    return out
+    return total, out
 
 
 tl = None  # triton.language, once _triton_kernel() has imported it
@@ -125,19 +190,29 @@ def _triton_kernel():
 
 def _rms_norm_kernel(
     x,  # [rows, dim], row r at x + r * x_stride, its values contiguous
+    residual,  # with ADD: as x, row r at residual + r * residual_stride
     weight,  # [dim], contiguous
     out,  # [rows, dim], contiguous
+    total,  # with ADD: [rows, dim] contiguous, x's dtype
     dim,
     x_stride,
+    residual_stride,
     eps,  # fp32
+    ADD: tl.constexpr,  # normalize x + residual (rounded to x's dtype) and write it to total
     BLOCK: tl.constexpr,  # the power of two at or above dim
 ):
     """Program r: out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps) in fp32, rounded to x's dtype)
-    times weight, computed in fp32 and rounded to out's dtype."""
+    times weight, computed in fp32 and rounded to out's dtype; with ADD, x[r] is first
+    x[r] + residual[r], rounded to x's dtype and stored in total[r]."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < dim
-    values = tl.load(x + row * x_stride + cols, mask=in_row, other=0.0).to(tl.float32)
+    values = tl.load(x + row * x_stride + cols, mask=in_row, other=0.0)
+    if ADD:
+        added = tl.load(residual + row * residual_stride + cols, mask=in_row, other=0.0)
+        values = (values.to(tl.float32) + added.to(tl.float32)).to(x.dtype.element_ty)
+        tl.store(total + row * dim + cols, values, mask=in_row)
+    values = values.to(tl.float32)
     mean_square = tl.sum(values * values, axis=0) / dim
     normalized = (values * tl.rsqrt(mean_square + eps)).to(x.dtype.element_ty)
     w = tl.load(weight + cols, mask=in_row, other=0.0).to(tl.float32)

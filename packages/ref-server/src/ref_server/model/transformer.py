@@ -75,24 +75,26 @@ class Block(nn.Module):
             for name in names
         ]
 
-    # State: hidden `[n, hidden]` in and out; attn_in / attn_out and mlp_in / mlp_out between
-    # this layer's parts; residual across them.
+    # State: hidden `[n, hidden]` in and out, plus hidden_update after a layer: the hidden
+    # state is their sum, added where the next norm runs, in its kernel; attn_in / attn_out and
+    # mlp_in / mlp_out between this layer's parts; residual across them.
 
     def comm_prepare_attn(self, state) -> None:
-        x = state.pop("hidden")
-        state.residual = x
-        state.attn_in = self.input_layernorm(x)
+        x, update = state.pop("hidden"), state.pop("hidden_update", None)
+        if update is None:  # the first layer
+            state.residual, state.attn_in = x, self.input_layernorm(x)
+        else:
+            state.residual, state.attn_in = self.input_layernorm.add_and_norm(x, update)
 
     def comm_prepare_mlp(self, state) -> None:
-        x = state.pop("residual") + state.pop("attn_out")
-        state.residual = x
-        state.mlp_in = self.post_attention_layernorm(x)
+        x, update = state.pop("residual"), state.pop("attn_out")
+        state.residual, state.mlp_in = self.post_attention_layernorm.add_and_norm(x, update)
 
     def dense_mlp(self, state) -> None:
         state.mlp_out = self.mlp(state.pop("mlp_in"))
 
     def postprocess(self, state) -> None:
-        state.hidden = state.pop("residual") + state.pop("mlp_out")
+        state.hidden, state.hidden_update = state.pop("residual"), state.pop("mlp_out")
 
 
 class Transformer(nn.Module):
@@ -140,13 +142,13 @@ class Transformer(nn.Module):
         state.hidden = x
 
     def head(self, state) -> None:
-        x, step = state.pop("hidden"), state.step
+        x, update, step = state.pop("hidden"), state.pop("hidden_update"), state.step
         if step is None:
             state.logits = None
             return
         if step.last_rows is not None:
-            x = x[step.last_rows]
-        state.logits = self.lm_head(self.norm(x)).float()
+            x, update = x[step.last_rows], update[step.last_rows]
+        state.logits = self.lm_head(self.norm.add_and_norm(x, update)[1]).float()
 
     @torch.no_grad()
     def forward_step(

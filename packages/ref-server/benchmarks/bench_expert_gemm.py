@@ -1,0 +1,146 @@
+"""The routed experts' bf16 GEMMs (`ref_server::expert_gemm`): the Triton kernel against torch's
+grouped GEMM (CUTLASS) at decode and small-prefill sizes, next to the bandwidth bound.
+
+    python benchmarks/bench_expert_gemm.py [--tokens 1,8,32,64,128,256,512] [--reps 20]
+                                           [--json results.json]
+
+CUDA only. Shapes: V2-Lite's experts (64, gate+up 2048 -> 2816, down 1408 -> 2048, 6 a token)
+and V3's at EP 8 (32 local of 256, gate+up 7168 -> 4096, down 2048 -> 7168, 8 a token, a
+quarter of them local). Each token picks its experts at random (uniform), rows grouped by
+expert: the prefill/eager decode layout. Both implementations are checked against each other
+first. Times: CUDA-graph replays, events, the median of --reps. The bound is the bytes of the
+experts that got rows (read once) over the same run's copy ceiling, or the FLOPs over the bf16
+matmul ceiling, whichever is slower; the ratio is bound / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from ref_server.model.expert_gemm import TRITON_MAX_GROUP_ROWS
+from ref_server.model.fp8_gemm import triton_block_gemm
+
+# name: experts (local), n, k, experts a token picks among all, local share of the picks
+SHAPES = {
+    "v2-lite gate_up": (64, 2816, 2048, 6, 1.0),
+    "v2-lite down": (64, 2048, 1408, 6, 1.0),
+    "v3/ep8 gate_up": (32, 4096, 7168, 8, 0.25),
+    "v3/ep8 down": (32, 7168, 2048, 8, 0.25),
+}
+
+
+def graph_ms(fn, reps: int) -> float:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    events = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def ceilings(reps: int) -> tuple[float, float]:
+    """bf16 matmul FLOP/s at 8192^3 and copy bytes/s (read + write) of 1 GiB."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * 8192**3 / graph_ms(lambda: a @ a, reps) * 1e3
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return flops, 2 * src.numel() / graph_ms(lambda: dst.copy_(src), reps) * 1e3
+
+
+def case(experts, n, k, picks, local, tokens, seed):
+    """x `[rows, k]`, w `[experts, n, k]`, offsets, and how many experts got rows."""
+    g = torch.Generator().manual_seed(seed)
+    total = round(experts / local)
+    ids = torch.rand(tokens, total, generator=g).topk(picks, dim=-1).indices.flatten()
+    ids = ids[ids < experts]
+    counts = torch.bincount(ids, minlength=experts)
+    x = torch.randn(len(ids), k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    return x, w, offsets, int((counts > 0).sum())
+
+
+def implementations(x, w, offsets) -> dict:
+    """The calls to time: torch's grouped GEMM (CUTLASS) and the Triton kernel."""
+    return {
+        "cutlass": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets),
+        "triton": lambda: triton_block_gemm(x, None, w, None, offsets, None, x.dtype),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="1,8,32,64,128,256,512")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json")
+    options = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_expert_gemm needs a CUDA device")
+    flops_ceiling, copy_ceiling = ceilings(options.reps)
+    print(
+        f"{torch.cuda.get_device_name()}: matmul {flops_ceiling / 1e12:.0f} TFLOP/s, copy "
+        f"{copy_ceiling / 1e9:.0f} GB/s; expert_gemm takes Triton up to "
+        f"{TRITON_MAX_GROUP_ROWS} rows an expert"
+    )
+    print(
+        f"{'shape':<16} {'tokens':>6} {'rows':>6} {'busy':>4} {'bound µs':>8} "
+        f"{'cutlass µs':>10} {'ratio':>5} {'triton µs':>9} {'ratio':>5} {'speedup':>7}"
+    )
+    rows = []
+    for name, (experts, n, k, picks, local) in SHAPES.items():
+        for tokens in map(int, options.tokens.split(",")):
+            x, w, offsets, busy = case(experts, n, k, picks, local, tokens, seed=tokens)
+            found = implementations(x, w, offsets)
+            if not torch.allclose(
+                found["triton"]().float(), found["cutlass"]().float(), 2**-7, 1e-2
+            ):
+                sys.exit(f"{name} at {tokens} tokens: Triton differs from torch._grouped_mm")
+            bound = max(busy * n * k * 2 / copy_ceiling, 2 * len(x) * n * k / flops_ceiling)
+            times = {impl: graph_ms(fn, options.reps) * 1e3 for impl, fn in found.items()}
+            bound_us = bound * 1e6
+            print(
+                f"{name:<16} {tokens:>6} {len(x):>6} {busy:>4} {bound_us:8.1f} "
+                f"{times['cutlass']:10.1f} {bound_us / times['cutlass']:5.2f} "
+                f"{times['triton']:9.1f} {bound_us / times['triton']:5.2f} "
+                f"{times['cutlass'] / times['triton']:7.2f}",
+                flush=True,
+            )
+            rows.append(
+                dict(
+                    shape=name,
+                    tokens=tokens,
+                    rows=len(x),
+                    busy_experts=busy,
+                    bound_us=bound_us,
+                    **{f"{impl}_us": t for impl, t in times.items()},
+                )
+            )
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(
+                dict(
+                    device=torch.cuda.get_device_name(),
+                    copy_bytes_per_s=copy_ceiling,
+                    matmul_flops=flops_ceiling,
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
