@@ -372,18 +372,19 @@ def test_the_kernels_replay_in_a_cuda_graph(n, k, num_experts):
 
 @gpu
 def test_batch_sizes_do_not_compile_the_kernels_again():
-    """After one warm-up, other decode batch sizes (one chunk) and prefill sizes (several)
-    reuse the compiled kernels."""
+    """After a warm-up at each power of two of slots in one chunk, and at several chunks,
+    other decode batch sizes (one chunk) and prefill sizes (several) reuse the compiled
+    kernels."""
     device = torch.cuda.current_device()
 
     def compiled():
         kernels = expert_sort._triton_kernels()[1:]
         return sum(len(kernel.device_caches[device][0]) for kernel in kernels)
 
-    for n in (1, 5000):  # one chunk, several
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 5000):  # one chunk of 8 to 2048 slots, several
         moe_sort_by_expert(random_ids(n, 8, 64, device="cuda"), 64)
     before = compiled()
-    for n in (2, 3, 16, 17, 100, 255, 256, 2049, 3001, 16384):
+    for n in (3, 17, 100, 255, 2049, 3001, 16384):
         moe_sort_by_expert(random_ids(n, 8, 64, seed=n, device="cuda"), 64)
     assert compiled() == before
 

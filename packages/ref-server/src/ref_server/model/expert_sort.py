@@ -29,7 +29,8 @@ H200 by arithmetic, not measured), not one serial program.
 slots, so the copy is spread over as many programs as the placing.
 
 Nothing waits for the device, no size depends on a value, and slot counts are no
-specialization of the kernels (they compile once for each num_experts, for one chunk or more,
+specialization of the kernels (they compile once for each num_experts, for each power of two of
+slots up to CHUNK, where one chunk holds them all and is only that wide, and for more chunks,
 and for the gathered rows' dtype and width), so CUDA graphs capture them after one warm-up call
 at any batch size. Ids past the experts, and -1, never make a kernel read or write out of its
 tensors. triton is imported on the first CUDA call only, so that this module imports without
@@ -179,6 +180,8 @@ def triton_moe_sort_by_expert(
         return outputs
     ids = ids.contiguous()
     triton, count_kernel, scan_kernel, place_kernel = _triton_kernels()
+    if slots <= chunk:  # one chunk, only as wide as the slots: each program compares fewer
+        chunk = max(BLOCK, triton.next_power_of_2(slots))
     chunks = triton.cdiv(slots, chunk)
     bins = 1 << num_experts.bit_length()  # a power of two above num_experts: bin E holds -1
     bases = None

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
+from ref_server.model.activation_kernels import silu_mul_fp8
 from ref_server.model.fp8_cast import cast_activations
 from ref_server.model.fp8_gemm import DENSE_BACKEND, block_gemm
 from ref_server.model.moe import Experts, RoutedExperts
@@ -151,8 +152,8 @@ class FP8Experts(RoutedExperts):
             weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
             return fp8_block_gemm(*rows, weight, scales, offsets, dtype, counts)
 
-        hidden = F.silu(project(rows, "gate_proj")) * project(rows, "up_proj")
-        return project(quantize_activations(hidden), "down_proj")
+        hidden = silu_mul_fp8(project(rows, "gate_proj"), project(rows, "up_proj"))
+        return project(hidden, "down_proj")
 
 
 def use_fp8(model: nn.Module) -> None:

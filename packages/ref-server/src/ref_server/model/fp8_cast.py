@@ -137,17 +137,20 @@ def triton_cast_activations(
 
 
 tl = None  # triton.language, once _triton_kernel() has imported it
+cast_tile = None  # the jitted `_cast_tile`, once _triton_kernel() has made it
 
 
 @functools.cache
 def _triton_kernel():
-    """The compiled `_cast_kernel`: triton is imported here, on first use. Row counts are not
-    specialized on (Triton would compile again for each new multiple of 16, say a decode batch
-    size first seen after the warm-up)."""
-    global tl
+    """The compiled `_cast_kernel`, and `cast_tile` for other kernels that cast what they
+    compute: triton is imported here, on first use. Row counts are not specialized on (Triton
+    would compile again for each new multiple of 16, say a decode batch size first seen after
+    the warm-up)."""
+    global tl, cast_tile
     import triton
     import triton.language as tl
 
+    cast_tile = triton.jit(_cast_tile)
     return triton.jit(_cast_kernel, do_not_specialize=["rows"])
 
 
@@ -173,16 +176,28 @@ def _cast_kernel(
     mask = row_ok[:, None] & (col_ids < k)[None, :]
     row_ids = row_ids.to(tl.int64)
     tile = tl.load(x + row_ids[:, None] * stride_x + col_ids[None, :], mask=mask, other=0.0)
-    tile = tile.to(tl.float32)
+    e4m3, scale = cast_tile(tile, AMAX_FLOOR, FP8_MAX, NATIVE_CAST)
+    tl.store(values + row_ids[:, None] * k + col_ids[None, :], e4m3, mask=mask)
+    tl.store(scales + row_ids * groups + group, scale, mask=row_ok)
 
+
+def _cast_tile(
+    tile,  # bf16, fp16 or fp32 [tokens, 128]: one group of channels (zeros past k)
+    AMAX_FLOOR: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    NATIVE_CAST: tl.constexpr,  # round with Triton's fp32 -> e4m3 conversion (sm90 and later)
+):
+    """(e4m3 bits uint8 [tokens, 128], fp32 scales [tokens]): the tile cast as the module
+    docstring says."""
+    tile = tile.to(tl.float32)
     # |x| as integers orders as the floats do, NaN above infinity: the integer max is the
     # amax, and NaN wherever a NaN is, in the interpreter and on the GPU alike (a float max
     # drops NaNs on the GPU).
     magnitude = tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     amax = tl.max(magnitude, 1).to(tl.float32, bitcast=True)
     amax = tl.maximum(amax, AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL)
-    scale = tl.math.div_rn(amax, tl.full([BLOCK_ROWS], FP8_MAX, tl.float32))
-    inverse = tl.math.div_rn(tl.full([BLOCK_ROWS], 1.0, tl.float32), scale)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+    inverse = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
     scaled = tile * inverse[:, None]
     scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
 
@@ -199,6 +214,4 @@ def _cast_kernel(
         e4m3 = tl.where(magnitude < (121 << 23), subnormal, normal)
         e4m3 = tl.where(magnitude > 0x7F800000, 0x7F, e4m3)  # NaN (saturated: no infinities)
         e4m3 = (e4m3 | ((bits >> 24) & 0x80)).to(tl.uint8)
-
-    tl.store(values + row_ids[:, None] * k + col_ids[None, :], e4m3, mask=mask)
-    tl.store(scales + row_ids * groups + group, scale, mask=row_ok)
+    return e4m3, scale

@@ -321,7 +321,7 @@ def triton_block_gemm(
         raise ValueError(f"split_k must divide the {k_blocks} blocks of k, got {split_k}")
     partial = out if split_k == 1 else x.new_empty(split_k, rows, n, dtype=torch.float32)
 
-    triton, kernel = _triton_kernel()
+    triton, kernel, sum_splits = _triton_kernels()
     size = x.element_size()
     aligned = all(t.data_ptr() % 16 == 0 for t in (x, w)) and x.stride(0) * size % 16 == 0
     whole_tiles = rows >= config.block_m and groups * n >= config.block_n
@@ -372,25 +372,39 @@ def triton_block_gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split_k > 1:
-        torch.sum(partial, 0, out=out)  # one kernel, rounding once into out's dtype
+    if split_k > 1:  # added in order in fp32, rounded once into out's dtype
+        numel = rows * n
+        sum_splits[(triton.cdiv(numel, SUM_BLOCK),)](partial, out, numel, split_k, SUM_BLOCK)
     return out.view(layout.out_shape)
 
 
-tl = None  # triton.language, once _triton_kernel() has imported it
+tl = None  # triton.language, once _triton_kernels() has imported it
+SUM_BLOCK = 1024  # outputs per program of `_sum_splits_kernel`
 
 
 @functools.cache
-def _triton_kernel():
-    """(triton, the compiled `_block_gemm_kernel`): triton is imported here, on first use.
-    Row counts are not specialized on (Triton would compile again for each new multiple of
-    16, say a decode batch size first seen after the warm-up)."""
+def _triton_kernels():
+    """(triton, the compiled `_block_gemm_kernel` and `_sum_splits_kernel`): triton is imported
+    here, on first use. Row counts are not specialized on (Triton would compile again for each
+    new multiple of 16, say a decode batch size first seen after the warm-up)."""
     global tl
     import triton
     import triton.language as tl
 
     unspecialized = ["rows", "group_rows", "groups", "tile_rows"]
-    return triton, triton.jit(_block_gemm_kernel, do_not_specialize=unspecialized)
+    gemm = triton.jit(_block_gemm_kernel, do_not_specialize=unspecialized)
+    return triton, gemm, triton.jit(_sum_splits_kernel, do_not_specialize=["numel"])
+
+
+def _sum_splits_kernel(partial, out, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = the sum over s of partial[s, i] (fp32 [SPLIT_K, numel]), in order, in fp32,
+    rounded once to out's dtype (torch.sum into a bf16 out ran as a bf16 reduction on the H200)."""
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < numel
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(partial + split * numel + index, mask=inside, other=0.0)
+    tl.store(out + index, total.to(out.dtype.element_ty), mask=inside)
 
 
 def _block_gemm_kernel(

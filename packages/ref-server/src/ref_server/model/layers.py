@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ref_server.model.activation_kernels import silu_mul
 from ref_server.model.args import ModelArgs, yarn_mscale
 from ref_server.model.norm_kernels import add_rms_norm, rms_norm
 from ref_server.model.rope_kernels import rope
@@ -94,4 +94,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_sched import State, run
+from ref_server.model.activation_kernels import silu_mul
 from ref_server.model.args import ModelArgs
 from ref_server.model.expert_gemm import expert_gemm
 from ref_server.model.expert_parallel import Dispatched, Packed
@@ -155,7 +156,7 @@ class Experts(RoutedExperts):
 
     def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
         gate, up = expert_gemm(x, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
-        return expert_gemm(F.silu(gate) * up, self.down_proj, offsets, counts)
+        return expert_gemm(silu_mul(gate, up), self.down_proj, offsets, counts)
 
 
 class MoE(nn.Module):
