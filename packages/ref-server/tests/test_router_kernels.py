@@ -175,7 +175,7 @@ def check_exact(route, logits, bias, r: Routing) -> None:
     """route(...) on `exact_problem` inputs: the ids of the rules exactly; weights those of
     the ids (NaN where a NaN logit was taken, or, normalized, any)."""
     weights, ids = route(logits, bias, *r.arguments)
-    weights, ids = weights.cpu(), ids.cpu()
+    weights, ids, logits, bias = (t.cpu() for t in (weights, ids, logits, bias))
     check_ids(ids, r)
     assert torch.equal(ids, route_by_rules(logits, bias, r))
     want = routed_weights(logits, r, ids)
