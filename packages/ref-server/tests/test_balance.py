@@ -127,3 +127,50 @@ def test_balancedness_is_no_worse_than_round_robin(gpus, nodes, exponent):
 def test_bad_arguments_are_a_value_error_naming_the_numbers(args, message):
     with pytest.raises(ValueError, match=message):
         rebalance_experts(*args)
+
+
+def drifted_layouts():
+    """(weight, drifted weight) per DeepSeek layout: Zipf loads, then each off by ~10 %."""
+    rng = np.random.default_rng(11)
+    weight = 1e5 / (np.argsort(rng.random((3, 256)), axis=1) + 1) ** 1.2
+    drifted = np.clip(weight * (1 + 0.1 * rng.standard_normal(weight.shape)), 0, None)
+    return weight, drifted
+
+
+@pytest.mark.parametrize("gpus, nodes", [(32, 4), (144, 18), (8, 1)])
+def test_keeping_in_place_moves_less_and_changes_no_gpu_s_load(gpus, nodes):
+    """Against a plain rebalance of drifted loads: the same experts on each GPU up to which
+    GPU of a node (so the same balancedness, and each group still on one node), fewer slots
+    moved; the loads unchanged, nothing moved."""
+    weight, drifted = drifted_layouts()
+    replicas = 256 + 32 if gpus != 144 else 288
+    first = rebalance_experts(weight, replicas, 8, nodes, gpus)
+    assert first.moved is None
+    plain = rebalance_experts(drifted, replicas, 8, nodes, gpus)
+    kept = rebalance_experts(drifted, replicas, 8, nodes, gpus, previous=first.phy2log)
+    assert np.array_equal(kept.logcnt, plain.logcnt)
+    per_gpu, per_node = replicas // gpus, replicas // nodes
+
+    def gpus_of(phy2log, layer, node):
+        slots = phy2log[layer, node * per_node : (node + 1) * per_node]
+        return sorted(tuple(sorted(g)) for g in slots.reshape(-1, per_gpu).tolist())
+
+    for layer in range(len(weight)):
+        for node in range(nodes):
+            assert gpus_of(kept.phy2log, layer, node) == gpus_of(plain.phy2log, layer, node)
+        for expert in range(256):  # log2phy: the inverse, ranks in slot order
+            slots = kept.log2phy[layer, expert, : kept.logcnt[layer, expert]]
+            assert (kept.phy2log[layer, slots] == expert).all() and (np.diff(slots) > 0).all()
+    np.testing.assert_allclose(
+        balancedness(drifted, kept.phy2log, kept.logcnt, gpus),
+        balancedness(drifted, plain.phy2log, plain.logcnt, gpus),
+    )
+    np.testing.assert_array_equal(kept.moved, (kept.phy2log != first.phy2log).mean(-1))
+    assert (kept.moved < (plain.phy2log != first.phy2log).mean(-1)).all()
+    again = rebalance_experts(weight, replicas, 8, nodes, gpus, previous=first.phy2log)
+    assert (again.moved == 0).all() and np.array_equal(again.phy2log, first.phy2log)
+
+
+def test_a_previous_placement_of_another_shape_is_a_value_error():
+    with pytest.raises(ValueError, match=r"previous must be phy2log's shape \(2, 16\)"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, previous=np.zeros((2, 12), dtype=int))

@@ -4,6 +4,12 @@
 the replicas so that every GPU gets a similar share of the routed tokens.
 """
 
-from ref_server.balance.experts import Placement, balancedness, rebalance_experts, round_robin
+from ref_server.balance.experts import (
+    Placement,
+    balancedness,
+    keep_in_place,
+    rebalance_experts,
+    round_robin,
+)
 
-__all__ = ["Placement", "balancedness", "rebalance_experts", "round_robin"]
+__all__ = ["Placement", "balancedness", "keep_in_place", "rebalance_experts", "round_robin"]

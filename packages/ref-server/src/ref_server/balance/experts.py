@@ -29,21 +29,26 @@ import numpy as np
 class Placement:
     """phy2log int64 `[layers, physical]`: the logical expert of each physical slot (slot p on
     GPU p // (physical / gpus)); log2phy int64 `[layers, logical, max replicas]`: each logical
-    expert's slots, -1 past its count; logcnt int64 `[layers, logical]`: its replica count."""
+    expert's slots, -1 past its count; logcnt int64 `[layers, logical]`: its replica count;
+    moved float64 `[layers]`: the fraction of slots whose expert changed from the previous
+    placement (None without one)."""
 
     phy2log: np.ndarray
     log2phy: np.ndarray
     logcnt: np.ndarray
+    moved: np.ndarray | None = None
 
 
 def rebalance_experts(
-    weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, previous=None
 ) -> Placement:
     """weight `[layers, logical]` (non-negative loads, any real dtype; taken as float32);
     num_replicas physical experts in all, a multiple of num_gpus and at least the logical
     experts; num_groups the router's expert groups; num_gpus a multiple of num_nodes. The
     hierarchical policy where num_groups divides evenly among num_nodes, the global one
-    otherwise. ValueError naming the numbers that do not fit."""
+    otherwise. previous: the phy2log `[layers, num_replicas]` in place now, to move as little
+    as the new placement allows (`keep_in_place`). ValueError naming the numbers that do not
+    fit."""
     weight = np.asarray(weight)
     if weight.ndim != 2:
         raise ValueError(f"weight must be [layers, logical experts], got shape {weight.shape}")
@@ -69,6 +74,7 @@ def rebalance_experts(
         )
     if logical % num_groups:
         raise ValueError(f"the {logical} logical experts do not split into {num_groups} groups")
+    nodes = num_nodes  # the machine's, where keep_in_place moves GPUs within
     if num_groups % num_nodes:
         num_groups = num_nodes = 1  # the global policy
     elif logical // num_nodes > num_replicas // num_nodes:
@@ -82,10 +88,82 @@ def rebalance_experts(
         phy2log[layer], rank[layer], logcnt[layer] = _hierarchical(
             weight[layer], num_replicas, num_groups, num_nodes, num_gpus
         )
-    log2phy = np.full((layers, logical, int(logcnt.max())), -1, dtype=np.int64)
-    slots = np.broadcast_to(np.arange(num_replicas), (layers, num_replicas))
+    if previous is None:
+        return Placement(phy2log, _log2phy(phy2log, rank, logcnt), logcnt)
+    previous = np.asarray(previous)
+    if previous.shape != phy2log.shape:
+        raise ValueError(f"previous must be phy2log's shape {phy2log.shape}, got {previous.shape}")
+    return keep_in_place(phy2log, logcnt, previous, num_gpus, nodes)
+
+
+def _log2phy(phy2log, rank, logcnt) -> np.ndarray:
+    layers, physical = phy2log.shape
+    log2phy = np.full((layers, logcnt.shape[1], int(logcnt.max())), -1, dtype=np.int64)
+    slots = np.broadcast_to(np.arange(physical), (layers, physical))
     log2phy[np.arange(layers)[:, None], phy2log, rank] = slots
-    return Placement(phy2log, log2phy, logcnt)
+    return log2phy
+
+
+def keep_in_place(phy2log, logcnt, previous, num_gpus: int, num_nodes: int) -> Placement:
+    """The placement phy2log `[layers, physical]` (with its logcnt) renumbered to move the
+    fewest experts from `previous` (`[layers, physical]`, the slots' experts now): within each
+    node, its GPUs' contents are matched to its GPUs greedily, most experts in common first;
+    within each GPU, an expert that a slot holds already stays in that slot. What each GPU
+    holds, and so every GPU's load, the node of every group and the balancedness, are the
+    placement's; only which GPU of a node and which slot of a GPU change."""
+    phy2log, previous = np.asarray(phy2log), np.asarray(previous)
+    layers, physical = phy2log.shape
+    per_gpu, gpus_per_node = physical // num_gpus, num_gpus // num_nodes
+    kept = np.empty_like(phy2log)
+    for layer in range(layers):
+        new = phy2log[layer].reshape(num_gpus, per_gpu)
+        old = previous[layer].reshape(num_gpus, per_gpu)
+        for node in range(num_nodes):
+            gpus = range(node * gpus_per_node, (node + 1) * gpus_per_node)
+            for source, target in _match_gpus(new, old, gpus):
+                kept[layer, target * per_gpu : (target + 1) * per_gpu] = _keep_slots(
+                    new[source], old[target]
+                )
+    # replica ranks in slot order
+    rank = np.zeros_like(kept)
+    for layer in range(layers):
+        seen = np.zeros(logcnt.shape[1], dtype=np.int64)
+        for slot, expert in enumerate(kept[layer]):
+            rank[layer, slot], seen[expert] = seen[expert], seen[expert] + 1
+    moved = (kept != previous).mean(-1)
+    return Placement(kept, _log2phy(kept, rank, logcnt), np.asarray(logcnt), moved)
+
+
+def _match_gpus(new, old, gpus) -> list[tuple[int, int]]:
+    """(new GPU, position) pairs over one node's GPUs, the pairs with the most experts in common
+    first (ties: lower GPUs first)."""
+    common = {(a, b): _in_common(new[a], old[b]) for a in gpus for b in gpus}
+    pairs, used_new, used_old = [], set(), set()
+    for (a, b), _ in sorted(common.items(), key=lambda item: -item[1]):
+        if a not in used_new and b not in used_old:
+            pairs.append((a, b))
+            used_new.add(a)
+            used_old.add(b)
+    return pairs
+
+
+def _in_common(a: np.ndarray, b: np.ndarray) -> int:
+    """How many experts two GPUs' slot lists share, counting replicas."""
+    values, counts = np.unique(a, return_counts=True)
+    other = dict(zip(*np.unique(b, return_counts=True), strict=True))
+    return int(sum(min(c, other.get(v, 0)) for v, c in zip(values, counts, strict=True)))
+
+
+def _keep_slots(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """new's experts (one GPU's) in the order that leaves the most of old's slots as they are."""
+    left = list(new)
+    slots = [-1] * len(old)
+    for slot, expert in enumerate(old):
+        if expert in left:
+            slots[slot] = expert
+            left.remove(expert)
+    rest = iter(left)
+    return np.array([expert if expert >= 0 else next(rest) for expert in slots], dtype=np.int64)
 
 
 def _hierarchical(weight, physical: int, groups: int, nodes: int, gpus: int):
