@@ -182,6 +182,20 @@ def check_exact(route, logits, bias, r: Routing) -> None:
     torch.testing.assert_close(weights.double(), want, rtol=1e-6, atol=0, equal_nan=True)
 
 
+def assert_same_choice(got, old, decisive) -> None:
+    """(weights, ids) `[n, k]` choosing old's experts with old's weights (rtol 1e-6) on the
+    decisive tokens; the slots may come in another order."""
+    (weights, ids), (old_weights, old_ids) = got, old
+    order, old_order = ids.argsort(dim=1), old_ids.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order)[decisive], old_ids.gather(1, old_order)[decisive])
+    torch.testing.assert_close(
+        weights.gather(1, order)[decisive],
+        old_weights.gather(1, old_order)[decisive],
+        rtol=1e-6,
+        atol=0,
+    )
+
+
 def gate_select_formula(scores, bias, r: Routing):
     """`Gate.select` before the operator (sigmoid scores in)."""
     choice = scores + bias.float()
@@ -319,14 +333,7 @@ def test_the_reference_chooses_as_gate_select_did(name):
     weights, ids = moe_route(logits, bias, *r.arguments)
     old_weights, old_ids = gate_select_formula(logits.sigmoid(), bias, r)
     _, decisive = route_float64(logits, bias, r)
-    order, old_order = ids.argsort(dim=1), old_ids.argsort(dim=1)
-    assert torch.equal(ids.gather(1, order)[decisive], old_ids.gather(1, old_order)[decisive])
-    torch.testing.assert_close(
-        weights.gather(1, order)[decisive],
-        old_weights.gather(1, old_order)[decisive],
-        rtol=1e-6,
-        atol=0,
-    )
+    assert_same_choice((weights, ids), (old_weights, old_ids), decisive)
     choice = logits.sigmoid() + bias
     assert (choice.gather(1, ids).diff(dim=1) <= 0).all()
 
@@ -532,15 +539,8 @@ def test_router_gemm_logits_choose_as_gate_select_did_on_cuda(name):
     old_weights, old_ids = gate_select_formula(logits.sigmoid(), bias, r)
     _, decisive = route_float64(logits.cpu(), bias.cpu(), r)
     decisive = decisive.cuda()
-    order, old_order = ids.argsort(dim=1), old_ids.argsort(dim=1)
     assert decisive.float().mean() >= 0.95
-    assert torch.equal(ids.gather(1, order)[decisive], old_ids.gather(1, old_order)[decisive])
-    torch.testing.assert_close(
-        weights.gather(1, order)[decisive],
-        old_weights.gather(1, old_order)[decisive],
-        rtol=1e-6,
-        atol=0,
-    )
+    assert_same_choice((weights, ids), (old_weights, old_ids), decisive)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,6 @@ def rebalance_experts(
     nodes = num_nodes  # the machine's, where keep_in_place moves GPUs within
     if num_groups % num_nodes:
         num_groups = num_nodes = 1  # the global policy
-    elif logical // num_nodes > num_replicas // num_nodes:
-        raise ValueError("each node needs at least as many slots as its logical experts")
 
     weight = weight.astype(np.float32)
     phy2log = np.empty((layers, num_replicas), dtype=np.int64)
