@@ -24,6 +24,9 @@ ARGS = SimpleNamespace(vocab_size=512, bos_token_id=0, eos_token_id=1)
 CHARS = st.one_of(
     st.characters(codec="utf-8", exclude_characters="\ufffd"), st.sampled_from("中文字한😀🎉𝄞𝕏é")
 )
+# texts without the special tokens' own text: it encodes to their ids, which decoding leaves
+# out (Hypothesis draws string constants of the code under test, these included)
+TEXTS = st.text(CHARS).filter(lambda text: BOS not in text and EOS not in text)
 SIZES = st.lists(st.integers(1, 5), min_size=1, max_size=8)
 many = settings(max_examples=300, deadline=None)
 
@@ -89,7 +92,7 @@ def test_the_bpe_splits_characters_across_tokens(hf):
 
 
 @many
-@given(text=st.text(CHARS), sizes=SIZES)
+@given(text=TEXTS, sizes=SIZES)
 def test_byte_decoder_pieces_are_whole_characters(byte, text, sizes):
     pieces = feed(byte.decoder(), byte.encode(text, add_special_tokens=False), sizes)
     assert all("\ufffd" not in p for p in pieces)
@@ -114,7 +117,7 @@ def test_byte_decoder_holds_a_split_character_and_replaces_a_broken_one(byte):
 
 
 @many
-@given(text=st.text(CHARS), sizes=SIZES)
+@given(text=TEXTS, sizes=SIZES)
 def test_bpe_decoder_pieces_are_whole_characters(hf, text, sizes):
     ids = hf.encode(text, add_special_tokens=False)
     pieces = feed(hf.decoder(), ids, sizes)
