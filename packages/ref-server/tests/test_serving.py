@@ -1,6 +1,7 @@
 """The disaggregated deployment on loopback through its public gRPC API: a prefill and a decode
 instance and the router as processes (`--role all`), the tiny preset on CPU; outputs against
-one-process generation."""
+one-process generation. Where the router sends prefills is watched through a router in the
+test's own process."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import ref_server.model as M
 from ref_server.client import Client, request
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
+from ref_server.services.metrics import Metrics
+from ref_server.services.router import Finished, Limits, Router
+from ref_server.services.security import SECRET_ENV
+from ref_server.services.servers import model_args, model_facts, model_fingerprint
+from ref_server.services.workers import Expected, WorkerPool
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
@@ -166,6 +172,84 @@ def test_a_repeated_prefix_is_reported_and_skipped(client, reference):
     assert second.usage.cached_tokens == 64
     want = reference.generate([[*prefix, 8, 9]], M.SamplingParams(max_tokens=4))[0]
     assert second.token_ids == want
+
+
+def recorded(call, name: str, calls: list):
+    """`call`, noting (the instance's name, the message) of each call."""
+
+    def noted(message, **kwargs):
+        calls.append((name, message))
+        return call(message, **kwargs)
+
+    return noted
+
+
+def test_a_shared_prefix_goes_where_it_is_cached_without_asking_the_instances(serving):
+    """Two prefill instances and a router in this process, to see where it sends prefills:
+    two prompts sent together spread over both; then a prompt sharing the second one's
+    prefix goes where that is cached (the least loaded instance would be the first, by its
+    name), and one sharing the first one's goes there, both finding their prefix cached.
+    The router never calls PrefixMatch."""
+    config = serving.config(prefill_instances=2)
+    facts, tokenizer = model_facts(config)
+    args = model_args(config)
+    expected = Expected(
+        model_fingerprint(config), args.num_hidden_layers, config.block_size, args.cache_width
+    )
+    first, second = list(range(100, 148)), list(range(200, 248))  # three 16-token pages each
+    served, asked, metrics = [], [], Metrics()
+
+    async def run() -> list[int]:
+        pool = WorkerPool(
+            running.addresses("prefill"),
+            running.addresses("decode"),
+            expected,
+            running.env[SECRET_ENV],
+            on_update=lambda: None,
+            interval=config.health_interval_s,
+        )
+        for worker in pool.of("prefill"):
+            stub = worker.prefill
+            stub.Prefill = recorded(stub.Prefill, worker.name, served)
+            stub.PrefixMatch = recorded(stub.PrefixMatch, worker.name, asked)
+        router = Router(pool, facts, tokenizer, metrics, Limits())
+
+        async def cached_tokens(prompt: list[int]) -> int:
+            params = M.SamplingParams(max_tokens=2)
+            submission = router.submission(prompt, params, [], f"{prompt[0]}-{len(prompt)}", "test")
+            events = [e async for e in router.generate(submission)]
+            assert isinstance(events[-1], Finished), events
+            return events[-1].usage.cached_tokens
+
+        await pool.start()
+        try:
+            assert pool.problem == ""
+            together = await asyncio.gather(cached_tokens([*first, 5]), cached_tokens([*second, 5]))
+            return [
+                *together,
+                await cached_tokens([*second, 6, 7]),
+                await cached_tokens([*first, 6, 7]),
+            ]
+        finally:
+            await router.close()
+            await pool.close()
+
+    running = Deployment(config, startup_timeout=120)
+    try:
+        assert asyncio.run(run()) == [0, 0, 48, 48]
+    finally:
+        running.stop()
+    assert [(m.token_ids[0], name) for name, m in served] == [
+        (100, "prefill-0"),
+        (200, "prefill-1"),
+        (200, "prefill-1"),
+        (100, "prefill-0"),
+    ]
+    assert asked == []
+    routes = "ref_server_prefill_routes_total"
+    assert metrics.registry.get_sample_value(routes, {"rule": "load"}) == 2
+    assert metrics.registry.get_sample_value(routes, {"rule": "prefix"}) == 2
+    assert metrics.registry.get_sample_value("ref_server_predicted_cached_tokens_total") == 96
 
 
 @pytest.mark.parametrize(

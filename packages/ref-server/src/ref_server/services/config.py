@@ -71,6 +71,24 @@ class ServeConfig:
     )
     request_timeout_s: float = _setting(3600.0, "the ceiling of a request without a deadline")
     queue_timeout_s: float = _setting(30.0, "how long a request may wait for decode room")
+    cache_threshold: float = _setting(
+        0.3,
+        "share of a prompt's pages a prefill instance must cache to get the request while the "
+        "prefill queues are even",
+    )
+    balance_abs_threshold: int = _setting(
+        64,
+        "prefill queues are uneven (requests go to the shortest) when they differ by more "
+        "than this many prompt tokens and by more than --balance-rel-threshold times",
+    )
+    balance_rel_threshold: float = _setting(
+        1.5, "see --balance-abs-threshold: how many times the shortest queue the longest exceeds"
+    )
+    prefix_index_pages: int = _setting(
+        1 << 17,
+        "page hashes the router keeps per prefill instance to guess its cached prefixes "
+        "(least recently used dropped beyond)",
+    )
     health_interval_s: float = _setting(
         1.0, "time between the router's health checks of an instance"
     )
@@ -132,10 +150,17 @@ class ServeConfig:
                 problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
         positive += ("max_model_len", "max_inflight", "health_failures", "ranks")
+        positive += ("prefix_index_pages",)
         positive += ("hold_seconds", "request_timeout_s", "queue_timeout_s", "health_interval_s")
         problems += [
             f"{n} must be > 0, got {getattr(self, n)}" for n in positive if getattr(self, n) <= 0
         ]
+        if not 0 <= self.cache_threshold <= 1:
+            problems.append(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0:
+            problems.append(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}")
+        if not self.balance_rel_threshold >= 1:
+            problems.append(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
         if self.ranks > 0 and not 0 <= self.rank < self.ranks:
             problems.append(f"need 0 <= rank < ranks, got rank {self.rank} of {self.ranks}")
         if self.ranks > 1 and self.role in ("prefill", "decode") and not self.group_address:

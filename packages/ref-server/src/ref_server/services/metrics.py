@@ -39,6 +39,18 @@ class Metrics:
         self.cached_tokens = Counter(
             "ref_server_cached_tokens", "prompt tokens from the prefix cache", registry=r
         )
+        self.predicted_cached_tokens = Counter(
+            "ref_server_predicted_cached_tokens",
+            "prompt tokens the router's prefix index expected to find cached",
+            registry=r,
+        )
+        self.prefill_routes = Counter(
+            "ref_server_prefill_routes",
+            "prefill instances chosen, by the rule that chose (prefix: its cached prefix, "
+            "load: the least queued)",
+            ["rule"],
+            registry=r,
+        )
         self.output_tokens = Counter("ref_server_output_tokens", "generated tokens", registry=r)
         self.transfer_bytes = Counter(
             "ref_server_kv_transfer_bytes",

@@ -4,10 +4,12 @@
     async for event in router.generate(submission): ...   # Tokens, then one Finished
 
 A request is admitted (at most `max_inflight` at once, else RESOURCE_EXHAUSTED at once), then
-runs as its own task: a prefill instance computes its KV and first token; then a decode
-instance with room reserves pages, pulls the KV and streams the rest. Requests wait for
-decode room first come first served, for at most `queue_timeout_s` and never past their KV's
-lease. Without a client deadline a request runs up to `request_timeout_s`.
+runs as its own task: a prefill instance computes its KV and first token (the one caching the
+longest prefix of its prompt, unless the queues are uneven: `WorkerPool.pick_prefill`; what it
+found cached corrects the router's guess); then a decode instance with room reserves pages,
+pulls the KV and streams the rest. Requests wait for decode room first come first served, for
+at most `queue_timeout_s` and never past their KV's lease. Without a client deadline a
+request runs up to `request_timeout_s`.
 
 However a request ends (finish, stop string, Abort, a client gone, deadline, error, at any
 stage), its task's `finally` releases its KV at the prefill instance and the cancelled calls
@@ -306,8 +308,10 @@ class Router:
 
     async def _prefill(self, flight: Flight):
         """(instance, PrefillResponse); another instance when one is unreachable."""
-        submission, tried = flight.submission, set()
-        hashes = prefix_hashes(submission.prompt[:-1], self.model.page_size, submission.cache_salt)
+        submission, tried, page = flight.submission, set(), self.model.page_size
+        prompt = submission.prompt
+        leaves = prefix_hashes(prompt, page, submission.cache_salt)  # its full pages, once done
+        reusable = leaves[: (len(prompt) - 1) // page]  # the last token is always computed
         message = pb.PrefillRequest(
             request_id=flight.internal_id,
             token_ids=submission.prompt,
@@ -316,11 +320,14 @@ class Router:
         )
         unreachable = ""  # the last instance that could not be reached, and why
         while True:
-            worker = await self.pool.pick_prefill(hashes, tried)
-            if worker is None:
+            choice = self.pool.pick_prefill(reusable, tried)
+            if choice is None:
                 problem = self.pool.problem or unreachable or "no prefill instance to ask"
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
+            worker = choice.worker
+            self.metrics.prefill_routes.labels(choice.rule).inc()
             worker.assigned += 1
+            worker.routed_tokens += len(prompt)
             flight.prefills.append(worker)
             try:
                 first = await worker.prefill.Prefill(message, timeout=self._remaining(flight))
@@ -334,8 +341,10 @@ class Router:
             finally:
                 worker.assigned -= 1
             flight.cached_tokens = first.cached_tokens
-            self.metrics.prompt_tokens.inc(len(submission.prompt))
+            self.pool.prefilled(choice, leaves, first.cached_tokens // page)
+            self.metrics.prompt_tokens.inc(len(prompt))
             self.metrics.cached_tokens.inc(first.cached_tokens)
+            self.metrics.predicted_cached_tokens.inc(choice.cached_pages * page)
             return worker, first
 
     async def _decode(self, flight, prefill: Worker, first, text: TextStream, events) -> int:

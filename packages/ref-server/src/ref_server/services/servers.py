@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 import ref_server.model as M
 from overlap_sched.gating import Thresholds
+from ref_server.balance import PrefillPolicy
 from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model.checkpoint import read_config
 from ref_server.services.aio import background
@@ -267,6 +268,10 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
         on_update=lambda: background(show()),
         interval=config.health_interval_s,
         failures=config.health_failures,
+        policy=PrefillPolicy(
+            config.cache_threshold, config.balance_abs_threshold, config.balance_rel_threshold
+        ),
+        prefix_index_pages=config.prefix_index_pages,
     )
     limits = Limits(config.max_inflight, config.request_timeout_s, config.queue_timeout_s)
     router = Router(pool, facts, tokenizer, metrics, limits)

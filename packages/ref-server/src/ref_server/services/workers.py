@@ -1,4 +1,5 @@
-"""The router's view of its instances: health, registration, loads, and the two balancers.
+"""The router's view of its instances: health, registration, loads, cached prefixes, and the
+choice of an instance for a request.
 
 Every `interval` seconds the pool checks each instance's health and reads its load (one call
 each, in parallel, off the request path). An instance is dropped after `failures` checks or
@@ -8,6 +9,11 @@ the other instances (model, layers, page size, cache width and dtype), and a dec
 learns the healthy prefill instances, the only peers it will pull KV from (and drops what it
 kept of any other): every check round tells it, and a decode instance is routed to only while
 that succeeds, so it always knows the prefill instances it is sent requests from.
+
+The choice is `ref_server.balance.instances`' (pure functions over `InstanceLoad` snapshots,
+made here). No call is made to choose: the prefill instances' cached prefixes are the
+router's own `PrefixIndex`, which the router feeds with what each prefill left cached
+(`prefilled`); an instance's entries go when it is dropped or registers again (a new cache).
 
 The router is SERVING while at least one prefill and one decode instance are healthy and
 none disagrees with the others.
@@ -23,6 +29,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ref_server.balance import InstanceLoad, PrefillPolicy, PrefixIndex
+from ref_server.balance import instances as balancer
+from ref_server.balance.prefix_index import DEFAULT_PAGES_PER_INSTANCE
 from ref_server.services.security import internal_channel
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
@@ -69,6 +78,7 @@ class Worker:
     problem: str = ""
     load: pb.WorkerLoad = field(default_factory=pb.WorkerLoad)
     assigned: int = 0  # this router's requests in flight there (loads lag behind)
+    routed_tokens: int = 0  # prompt tokens this router sent there since its load was read
 
     def __post_init__(self) -> None:
         self.channel = internal_channel(
@@ -84,6 +94,25 @@ class Worker:
     def capacity(self) -> int:
         return self.info.max_running if self.info else 0
 
+    def snapshot(self) -> InstanceLoad:
+        load = self.load
+        return InstanceLoad(
+            name=self.name,
+            queued_tokens=load.queued_tokens + self.routed_tokens,
+            queued_flops=load.queued_flops,
+            running=load.running,
+            kv_usage=load.kv_usage,
+            assigned=self.assigned,
+            capacity=self.capacity,
+        )
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    worker: Worker
+    cached_pages: int  # of the request's, as the prefix index guesses
+    rule: str  # which rule chose it: balancer.PREFIX or LOAD
+
 
 class WorkerPool:
     def __init__(
@@ -95,6 +124,8 @@ class WorkerPool:
         on_update: Callable[[], None],
         interval: float = 1.0,
         failures: int = 3,
+        policy: PrefillPolicy | None = None,
+        prefix_index_pages: int = DEFAULT_PAGES_PER_INSTANCE,
     ) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode address")
@@ -107,6 +138,8 @@ class WorkerPool:
         self.on_update = on_update  # after each check round, and when a worker drops
         self.interval, self.max_failures = interval, failures
         self.cache_dtype: str | None = None  # the first registered instance's: all must agree
+        self.policy = policy or PrefillPolicy()
+        self.prefixes = PrefixIndex(prefix_index_pages)
         self._task: asyncio.Task | None = None
 
     def of(self, role: str) -> list[Worker]:
@@ -152,6 +185,7 @@ class WorkerPool:
             if worker.info is None:
                 await self._register(worker)
             worker.load = await worker.instance.GetLoad(pb.GetLoadRequest(), timeout=timeout)
+            worker.routed_tokens = 0  # the load counts them now (roughly: some may be on the way)
         except (grpc.aio.AioRpcError, ConnectionError):
             self.failed(worker)
             return
@@ -162,6 +196,7 @@ class WorkerPool:
         peers = [w.address for w in self.of("prefill") if w.routable]
         request = pb.RegisterRequest(prefill_addresses=peers if worker.role == "decode" else [])
         info = await worker.instance.Register(request, timeout=max(self.interval, 1.0))
+        self.prefixes.drop(worker.name)  # a first registration, or a restart: an empty cache
         if info.role != worker.role:
             worker.problem = f"is a {info.role} instance, listed as {worker.role}"
         else:
@@ -179,6 +214,7 @@ class WorkerPool:
             log.warning("%s (%s) is down", worker.name, worker.address)
             worker.healthy = worker.routable = False
             worker.info = None  # registered again when it comes back
+            self.prefixes.drop(worker.name)
             self.on_update()
 
     async def _register_peers(self) -> None:
@@ -201,39 +237,34 @@ class WorkerPool:
         for w in self.workers:
             w.routable = w.routable and w.healthy and not w.problem
 
-    # ------------------------------------------------------------ balancers
+    # ------------------------------------------------------------ choosing an instance
 
-    async def pick_prefill(self, page_hashes: list[bytes], exclude: set[Worker]) -> Worker | None:
-        """The prefill instance caching the longest prefix (asked only when there is a
-        choice), then the least prefill work queued (matmuls and attention, in FLOPs), then
-        the fewest requests this router has in flight there."""
+    def pick_prefill(self, page_hashes: list[bytes], exclude: set[Worker]) -> PrefillChoice | None:
+        """A routable prefill instance not in `exclude` for a request whose prompt's pages (all
+        but its last token, which is always computed) have `page_hashes`; None when none is."""
         candidates = [w for w in self.of("prefill") if w.routable and w not in exclude]
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        match = pb.PrefixMatchRequest(page_hashes=page_hashes)
-        answers = await asyncio.gather(
-            *(w.prefill.PrefixMatch(match, timeout=1.0) for w in candidates),
-            return_exceptions=True,
-        )
-        cached = {
-            w: (0 if isinstance(a, Exception) else a.cached_pages)
-            for w, a in zip(candidates, answers, strict=True)
-        }
-        return min(
-            candidates, key=lambda w: (-cached[w], w.load.queued_flops, w.assigned, w.load.running)
-        )
-
-    def pick_decode(self, exclude: set[Worker]) -> Worker | None:
-        """The decode instance with room (fewer of this router's requests than it runs at
-        once) and the lowest KV use, then the fewest in flight; None when none has room."""
-        candidates = [
-            w
-            for w in self.of("decode")
-            if w.routable and w not in exclude and w.assigned < w.capacity
-        ]
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (w.load.kv_usage, w.assigned, w.load.running))
+        matched = [self.prefixes.match(w.name, page_hashes) for w in candidates]
+        loads = [w.snapshot() for w in candidates]
+        chosen, rule = balancer.pick_prefill(loads, matched, len(page_hashes), self.policy)
+        return PrefillChoice(candidates[chosen], matched[chosen], rule)
+
+    def prefilled(self, choice: PrefillChoice, leaves: list[bytes], cached_pages: int) -> None:
+        """`choice.worker` prefilled a prompt: it found `cached_pages` of its pages cached and
+        now caches every full page of it (`leaves`, whose first pages are those matched).
+        Finding fewer than the index predicted, the index was wrong there: that page and what
+        the instance evicted before it go first."""
+        name = choice.worker.name
+        if cached_pages < choice.cached_pages:
+            self.prefixes.evicted(name, leaves[cached_pages])
+        self.prefixes.insert(name, leaves)
+
+    def pick_decode(self, exclude: set[Worker]) -> Worker | None:
+        """A routable decode instance not in `exclude` with room; None when none has."""
+        candidates = [w for w in self.of("decode") if w.routable and w not in exclude]
+        chosen = balancer.pick_decode([w.snapshot() for w in candidates])
+        return None if chosen is None else candidates[chosen]
 
     def server_info(self, serving: bool) -> pb.ServerInfo:
         infos = [
