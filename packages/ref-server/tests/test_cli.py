@@ -343,3 +343,24 @@ def test_fp8_weights_are_a_serving_choice_and_part_of_the_fingerprint():
     model = load_model(fp8_config, None)
     assert any(isinstance(m, fp8.FP8Linear) for m in model.modules())
     assert not any(isinstance(m, fp8.FP8Linear) for m in load_model(dense, None).modules())
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--expert-placement", "/nonexistent.json"],
+            "/nonexistent.json is not an expert placement",
+        ),
+        (
+            ["--redundant-experts", "1", "--ranks", "2"],
+            "8 routed experts + 1 redundant do not split",
+        ),
+        (["--redundant-experts", "-1"], "redundant_experts must be >= 0, got -1"),
+        (["--eplb-save", "p.json"], "eplb_save needs eplb_interval > 0"),
+        (["--eplb-layers-per-step", "0"], "eplb_layers_per_step must be > 0"),
+    ],
+)
+def test_bad_expert_balancing_settings_exit_with_one_line_before_anything_starts(flags, message):
+    args = ["--device", "cpu", "--http-port", "0", *flags]
+    assert message in one_error_line(ref_server("serve", *args, env=without_cuda()), "serve")

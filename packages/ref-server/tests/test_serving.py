@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ref_server.model as M
+from ref_server.balance import write_placement
 from ref_server.client import Client, request
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
 from ref_server.services.metrics import Metrics
@@ -402,6 +403,44 @@ def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(reference,
         ranks=2, two_batch="on", two_batch_decode_tokens=2, two_batch_prefill_tokens=2
     )
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
+
+
+def test_instances_balance_their_experts_while_serving(reference, serving, tmp_path):
+    """Instances of two ranks, each MoE layer in 10 expert slots for 8 experts, starting from
+    a saved placement and placing their experts anew every 3 steps (weights moving between
+    the ranks' processes): completions are the reference's greedy tokens within rounding, and
+    the router shows each instance's rebalances and moved bytes."""
+    placement = tmp_path / "placement.json"
+    rows = [[7, 6, 5, 4, 3, 2, 1, 0, 7, 0]] * reference.args.num_moe_layers
+    write_placement(placement, rows, reference.args.n_routed_experts)
+    config = serving.config(
+        ranks=2,
+        redundant_experts=2,
+        eplb_interval=3,
+        expert_placement=str(placement),
+        max_num_batched_tokens=24,  # prompts in chunks: prefill steps enough to rebalance
+    )
+    running = Deployment(config, startup_timeout=300)
+    try:
+        client = Client(running.address)
+        prompts = [list(range(3, 3 + n)) for n in (4, 20, 70)]
+        requests = [dict(prompt=p, max_tokens=12) for p in prompts * 2]
+        for i, result in enumerate(serving.generate_together(client, requests)):
+            assert serving.near_greedy(reference, prompts[i % 3], list(result.token_ids))
+
+        def balanced():
+            loads = [w.load for w in client.server_info().workers]
+            return all(w.expert_rebalances > 0 and w.expert_bytes_moved > 0 for w in loads)
+
+        serving.wait_until(balanced, 5, f"rebalancing workers: {client.server_info().workers}")
+        base = f"http://127.0.0.1:{config.http_port}"
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        for worker in ("prefill-0", "decode-0"):
+            assert f'ref_server_worker_expert_rebalances{{worker="{worker}"}}' in text
+            assert f'ref_server_worker_expert_bytes_moved{{worker="{worker}"}}' in text
+        client.close()
+    finally:
+        running.stop()
 
 
 def test_a_rank_that_dies_takes_its_instance_out_of_service(serving):

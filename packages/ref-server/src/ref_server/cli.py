@@ -37,7 +37,12 @@ SETTING_GROUPS = {
     ),
     "router": (
         "prefill", "decode", "max_inflight", "max_request_bytes", "request_timeout_s",
-        "queue_timeout_s", "health_interval_s", "health_failures",
+        "queue_timeout_s", "health_interval_s", "health_failures", "cache_threshold",
+        "balance_abs_threshold", "balance_rel_threshold", "prefix_index_pages",
+    ),
+    "expert balancing (EPLB, every instance)": (
+        "redundant_experts", "eplb_interval", "eplb_layers_per_step", "expert_placement",
+        "eplb_save",
     ),
     "ranks (one instance over several processes)": (
         "ranks", "rank", "group_address", "group_timeout_s",
@@ -56,6 +61,8 @@ METAVARS = {
     "tls_cert": "FILE",
     "tls_key": "FILE",
     "internal_secret_file": "FILE",
+    "expert_placement": "FILE",
+    "eplb_save": "FILE",
 }
 CHOICES = {
     "role": ROLES,

@@ -18,7 +18,7 @@ from ref_server.model.sampling import SamplingParams
 
 class Engine:
     def __init__(self, model, config: SchedulerConfig, **runner_options) -> None:
-        """runner_options: `ModelRunner`'s (two_batch, thresholds)."""
+        """runner_options: `ModelRunner`'s (cache_dtype, two_batch, thresholds, eplb)."""
         self.model = model
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, **runner_options)

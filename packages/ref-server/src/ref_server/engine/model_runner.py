@@ -7,7 +7,8 @@ instance must run the same kind of step at the same time: each step they agree o
 (`plan`, one all_gather), and a rank without sequences (`idle`) takes its share of it. A decode
 step's exchanges go through ep_comm's low-latency mode, which graphs can capture; prefill's
 through its normal mode. After every expert-parallel step the ranks check together that no
-exchange failed (`ExpertParallel.raise_if_failed`) before any token leaves.
+exchange failed (`ExpertParallel.raise_if_failed`) before any token leaves; then, with `eplb`,
+the expert balancer counts the step and moves experts (`ExpertBalancer`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from overlap_sched.gating import MODES, Thresholds, wants_overlap
 from overlap_sched.split import split_decode, split_prefill
+from ref_server.engine.expert_balancer import EplbConfig, ExpertBalancer
 from ref_server.engine.scheduler import SchedulerConfig, Step
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
@@ -47,10 +49,12 @@ class ModelRunner:
         cache_dtype=torch.bfloat16,
         two_batch: str = "auto",
         thresholds: Thresholds | None = None,
+        eplb: EplbConfig | None = None,
     ) -> None:
         """two_batch: "auto" (two microbatches for expert-parallel models, whose exchanges
         they overlap), "on" or "off"; thresholds: the tokens per rank below which a step runs
-        one batch (default `Thresholds()`: 64 decode, 512 prefill)."""
+        one batch (default `Thresholds()`: 64 decode, 512 prefill); eplb: balance the experts
+        of a model built with expert slots (`ExpertBalancer`)."""
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
@@ -68,6 +72,7 @@ class ModelRunner:
                 config.max_num_seqs, model.args.num_experts_per_tok
             )
         self.decode_graphs = self._capture_decode_graphs()
+        self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange
@@ -110,6 +115,7 @@ class ModelRunner:
             logits = self.model.forward_step(batch, self.cache, split, plan.low_latency)
         sampled = self._sample(step, logits)
         self._check_exchange()
+        self._step_done()
         return sampled
 
     @torch.no_grad()
@@ -125,6 +131,12 @@ class ModelRunner:
             schedule = plan.schedule if plan.two_batch else None
             self.model.idle_step(self.cache, schedule, low_latency=plan.low_latency)
         self._check_exchange()
+        self._step_done()
+
+    def _step_done(self) -> None:
+        """After a step every rank ran and no exchange failed."""
+        if self.expert_balancer:
+            self.expert_balancer.step_done()
 
     def plan(self, batch: StepBatch | None) -> StepPlan | None:
         """How every rank runs this step, from one all_gather of each rank's (mode, tokens,

@@ -20,6 +20,7 @@ from ref_server.model.args import PRESETS, ModelArgs
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.checkpoint import CheckpointError, init_random, load_weights, read_config
 from ref_server.model.cuda_graphs import DecodeGraphs
+from ref_server.model.expert_location import default_placement
 from ref_server.model.fp8 import use_fp8
 from ref_server.model.generate import generate
 from ref_server.model.sampling import SamplingParams
@@ -41,20 +42,46 @@ WEIGHT_DTYPES = (None, "fp8")
 
 
 def _build(
-    args: ModelArgs, dtype, device, group: dist.ProcessGroup | None, weight_dtype: str | None
+    args: ModelArgs,
+    dtype,
+    device,
+    group: dist.ProcessGroup | None,
+    weight_dtype: str | None,
+    num_physical_experts: int | None = None,
+    expert_placement=None,
 ) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r}: expected None (dtype) or 'fp8'")
+    placement = None
+    if expert_placement is not None:
+        placement = torch.as_tensor(expert_placement, dtype=torch.long)
+        if placement.dim() != 2 or placement.shape[0] != args.num_moe_layers:
+            raise ValueError(
+                f"an expert placement needs a row per MoE layer ({args.num_moe_layers}), "
+                f"got shape {tuple(placement.shape)}"
+            )
+        num_physical_experts = num_physical_experts or placement.shape[1]
+        if placement.shape[1] != num_physical_experts:
+            raise ValueError(
+                f"the placement has {placement.shape[1]} slots per layer, not the "
+                f"{num_physical_experts} physical experts asked for"
+            )
+    slots = num_physical_experts or args.n_routed_experts
     expert_parallel = None
     if group is not None and group.size() > 1:
         from ref_server.model.expert_parallel import ExpertParallel
 
-        expert_parallel = ExpertParallel(group, args.n_routed_experts, args.hidden_size)
+        expert_parallel = ExpertParallel(group, slots, args.hidden_size)
     with torch.device("meta"):
-        model = Model(args, expert_parallel).to(dtype)
+        model = Model(args, expert_parallel, num_physical_experts).to(dtype)
         if weight_dtype == "fp8":
             use_fp8(model)  # after .to(dtype), which would convert FP8 tensors too
     model = model.to_empty(device=device)
+    for i, moe in enumerate(model.moe_layers()):
+        if moe.location is not None:
+            default = default_placement(args.n_routed_experts, slots)
+            moe.location.place(default if placement is None else placement[i])
+            moe.location.take_load(moe.first_slot)  # zero the counts
     model.eval()
     return model
 
@@ -67,11 +94,14 @@ def from_args(
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
     weight_dtype: str | None = None,
+    num_physical_experts: int | None = None,
+    expert_placement=None,
 ) -> Model:
     """A model of these hyper-parameters with random weights drawn from `seed`, in `dtype`
     (activations, and weights unless weight_dtype is "fp8": then the projections are FP8,
-    the same random weights quantized in 128 x 128 blocks)."""
-    model = _build(args, dtype, device, group, weight_dtype)
+    the same random weights quantized in 128 x 128 blocks). Expert slots as `from_pretrained`;
+    replicas of an expert get its weights."""
+    model = _build(args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement)
     init_random(model, seed)
     model.tokenizer = load_tokenizer(model.args)
     return model
@@ -91,16 +121,30 @@ def from_pretrained(
     device: torch.device | str = "cpu",
     group: dist.ProcessGroup | None = None,
     weight_dtype: str | None = None,
+    num_physical_experts: int | None = None,
+    expert_placement=None,
 ) -> Model:
     """A Hugging Face DeepSeek-V3 checkpoint directory, activations in `dtype`. weight_dtype
     None: weights in dtype too (FP8 ones dequantized); "fp8": the projections DeepSeek stores
     in FP8 (attention, dense and shared MLPs, routed experts) stay e4m3 with their 128 x 128
     block scales, and bf16 ones are quantized so. With a group of several ranks, each holds
-    its share of the routed experts."""
+    its share of the routed experts' slots.
+
+    num_physical_experts: expert slots per MoE layer, for balancing (docs/balance.md); at
+    least the routed experts, a multiple of the ranks; slot p holds expert p % E unless
+    expert_placement `[MoE layers, slots]` says which (`balance.Placement.phy2log`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
-    model = _build(read_config(path), dtype, device, group, weight_dtype)
+    model = _build(
+        read_config(path),
+        dtype,
+        device,
+        group,
+        weight_dtype,
+        num_physical_experts,
+        expert_placement,
+    )
     load_weights(model, path)
     model.tokenizer = load_tokenizer(model.args, path)
     return model

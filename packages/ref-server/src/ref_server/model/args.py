@@ -102,6 +102,10 @@ class ModelArgs:
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
+    @property
+    def num_moe_layers(self) -> int:
+        return max(self.num_hidden_layers - self.first_k_dense_replace, 0)
+
     def attention_parameters(self) -> int:
         """One layer's MLA projections and norms."""
         h, heads = self.hidden_size, self.num_attention_heads

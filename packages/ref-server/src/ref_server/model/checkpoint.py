@@ -64,20 +64,20 @@ def checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(checkpoint name, the model tensor or the view of it that the checkpoint tensor fills,
     the view its block scales fill where the model keeps it in FP8, else None) for every
-    tensor of the model. Stacked routed experts are one view per expert and projection, named
-    by the expert's global index."""
+    tensor of the model. Stacked routed experts are one view per slot and projection, named
+    by the logical expert the slot holds (replicas read the same tensor)."""
     tensors = dict([*model.named_parameters(), *model.named_buffers()])
     for name, tensor in tensors.items():
-        if name.endswith("_scale_inv"):
-            continue  # filled with its weight
+        if name.endswith("_scale_inv") or ".location." in name:
+            continue  # filled with its weight; where the experts are is not in checkpoints
         scale = tensors.get(name + "_scale_inv")
         parts = name.split(".")
         if parts[2:4] != ["mlp", "experts"]:
             yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
             continue
-        moe = model.layers[int(parts[1])].mlp
+        experts = model.layers[int(parts[1])].mlp.slot_experts()
         for e in range(tensor.shape[0]):
-            prefix = f"model.layers.{parts[1]}.mlp.experts.{moe.first_expert + e}."
+            prefix = f"model.layers.{parts[1]}.mlp.experts.{experts[e]}."
             if parts[4] == "gate_up_proj":
                 gate, up = tensor[e].chunk(2, dim=0)
                 yield prefix + "gate_proj.weight", gate, None

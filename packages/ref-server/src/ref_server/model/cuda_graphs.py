@@ -3,7 +3,8 @@
 Run eagerly, a decode step is bound by the host: a V2-Lite step launches about 2,700 kernels,
 most of them microseconds long. `DecodeGraphs` captures `Transformer.run_step` once per
 batch-size bucket and replays it. A batch is padded to the next bucket. Its padding rows are
-position 0 of the cache's padding block, so they write only there and read only there.
+position 0 of the cache's padding block, so they write only there and read only there, and
+`real_rows` marks them (balanced experts neither count nor receive them).
 
 Buckets of at least `two_batch_from` sequences are captured as two microbatches of half the
 bucket each, overlapped in the decode schedule. An expert-parallel model is captured when its
@@ -70,6 +71,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_batch,), pad * cache.page_size, device=device)
+        self.real_rows = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.block_table = torch.full(
             (max_batch, self.max_blocks), pad, dtype=torch.int32, device=device
         )
@@ -113,7 +115,11 @@ class DecodeGraphs:
             (
                 self.input_ids[r],
                 StepMetadata.decode(
-                    self.positions[r], self.slot_mapping[r], self.block_table[r], heads
+                    self.positions[r],
+                    self.slot_mapping[r],
+                    self.block_table[r],
+                    heads,
+                    self.real_rows[r],
                 ),
             )
             for r in rows
@@ -145,6 +151,7 @@ class DecodeGraphs:
             (self.positions, batch.positions, 0),
             (self.slot_mapping, batch.slot_mapping(page), pad * page),
             (self.block_table[:, :width], batch.block_table, pad),
+            (self.real_rows, True, False),
         ):
             static[b:bucket] = fill
             static[:b] = rows
@@ -160,4 +167,5 @@ class DecodeGraphs:
         self.positions[:bucket] = 0
         self.slot_mapping[:bucket] = pad * page
         self.block_table[:bucket] = pad
+        self.real_rows[:bucket] = False
         self.graphs[bucket].replay()

@@ -1,4 +1,7 @@
-"""Expert-parallel MoE through ep_comm: rank r of R holds routed experts [r E/R, (r+1) E/R).
+"""Expert-parallel MoE through ep_comm: rank r of R holds expert slots [r P/R, (r+1) P/R).
+
+The P slots are the routed experts (P = E), or, where the instance balances them, a layer's
+`ExpertLocation`'s physical experts: the exchange moves rows by slot either way.
 
 Attention is data-parallel (every rank runs its own tokens through all of it); in each MoE layer
 every rank's tokens travel to the ranks holding their experts (dispatch), are processed there,
@@ -165,19 +168,26 @@ class ExpertParallel:
         return combined, event
 
     def low_latency_dispatch(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, use_fp8: bool = False
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        use_fp8: bool = False,
+        recv_stats: torch.Tensor | None = None,
     ) -> tuple[Packed, Callable[[], None]]:
         """x `[n, hidden]` (n <= T) and its global expert ids and weights `[n, k]` to this
         rank's experts' packed rows, in bf16, or with use_fp8 cast to e4m3 with a scale per
         token and 128 channels before they travel (half the bytes; what FP8 experts would
         compute from the bf16 rows anyway). Only sends: the rows are there once the returned
-        hook has been called."""
+        hook has been called. recv_stats `[E_local]` int32: += the rows each local expert
+        received."""
         recv_x, count, handle, _, hook = self.buffer.low_latency_dispatch(
             x.to(torch.bfloat16),
             ids,
             self.max_decode_tokens,
             self.num_experts,
             use_fp8=use_fp8,
+            cumulative_local_expert_recv_stats=recv_stats,
             return_recv_hook=True,
         )
         return Packed(recv_x, count, handle, ids, weights.float()), hook

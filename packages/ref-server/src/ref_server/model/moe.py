@@ -14,6 +14,7 @@ from overlap_sched import State, run
 from ref_server.model.activation_kernels import silu_mul
 from ref_server.model.args import ModelArgs
 from ref_server.model.expert_gemm import expert_gemm
+from ref_server.model.expert_location import ExpertLocation
 from ref_server.model.expert_parallel import Dispatched, Packed
 from ref_server.model.expert_sort import moe_sort_by_expert_and_gather
 from ref_server.model.layers import MLP
@@ -146,13 +147,17 @@ class Experts(RoutedExperts):
         return self.looped(x, ids, weights)
 
     def looped(self, x, ids, weights) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in ids[ids >= 0].unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
-        return out
+        """An expert at a time; each token's outputs summed in slot order as on the GPU, so
+        which slot serves a choice leaves the sum alone."""
+        n, k = ids.shape
+        choices = ids.flatten()
+        y = x.new_zeros(n * k, x.shape[1])
+        for e in choices[choices >= 0].unique().tolist():
+            rows = (choices == e).nonzero().squeeze(1)
+            gate, up = F.linear(x[rows // k], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y[rows] = F.linear(F.silu(gate) * up, self.down_proj[e])
+        rows = torch.arange(n * k, device=x.device).view(n, k).masked_fill(ids < 0, -1)
+        return moe_weighted_sum(y, rows, weights.float())
 
     def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
         gate, up = expert_gemm(x, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
@@ -170,18 +175,29 @@ class MoE(nn.Module):
     on the event, or calls the hook, where the receiving op reads what was sent.
     """
 
-    def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
+    def __init__(self, args: ModelArgs, expert_parallel=None, num_physical: int | None = None):
+        """num_physical: the layer's expert slots when the instance balances its experts (an
+        `ExpertLocation`, at least one slot per expert); None: one slot per expert, fixed."""
         super().__init__()
         self.args = args
         self.expert_parallel = expert_parallel
         rank, size = (0, 1) if expert_parallel is None else expert_parallel.rank_and_size
-        self.first_expert = rank * (args.n_routed_experts // size)
+        slots = (num_physical or args.n_routed_experts) // size
+        self.first_slot = rank * slots
+        self.location = None
+        if num_physical is not None:
+            self.location = ExpertLocation(args.n_routed_experts, num_physical, size)
         self.gate = Gate(args)
-        self.experts = Experts(
-            args.n_routed_experts // size, args.hidden_size, args.moe_intermediate_size
-        )
+        self.experts = Experts(slots, args.hidden_size, args.moe_intermediate_size)
         shared = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = MLP(args.hidden_size, shared) if args.n_shared_experts else None
+
+    def slot_experts(self) -> list[int]:
+        """The logical expert each of this rank's expert slots holds."""
+        first, last = self.first_slot, self.first_slot + self.experts.num_experts
+        if self.location is None:
+            return list(range(first, last))
+        return self.location.physical_to_logical[first:last].tolist()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = State(mlp_in=x.reshape(-1, x.shape[-1]))
@@ -200,7 +216,19 @@ class MoE(nn.Module):
         state.router_logits = self.gate.logits(state.mlp_in)
 
     def op_select_experts(self, state) -> None:
-        state.topk_weights, state.topk_ids = self.gate.select(state.pop("router_logits"))
+        weights, ids = self.gate.select(state.pop("router_logits"))
+        state.topk_weights = weights
+        state.topk_ids = ids if self.location is None else self._to_slots(ids, state)
+
+    def _to_slots(self, ids: torch.Tensor, state) -> torch.Tensor:
+        """Each choice to one replica of its expert, counted: here, or where the low-latency
+        dispatch receives it. A CUDA graph's padding rows go nowhere (-1)."""
+        slots = self.location.to_physical(ids)
+        step = state.step if "step" in state else None  # MoE.forward runs without one
+        real = None if step is None else step.real_rows
+        if "low_latency" not in state:
+            self.location.count(slots, real)
+        return slots if real is None else slots.masked_fill(~real[:, None], -1)
 
     def op_dispatch_a(self, state):
         x, weights, ids = state.mlp_in, state.pop("topk_weights"), state.pop("topk_ids")
@@ -208,8 +236,9 @@ class MoE(nn.Module):
             state.dispatched = Dispatched(x, ids, weights, None)
             return None
         if "low_latency" in state:
+            received = None if self.location is None else self.location.received
             state.dispatched, hook = self.expert_parallel.low_latency_dispatch(
-                x, ids, weights, use_fp8=self.experts.takes_fp8_rows
+                x, ids, weights, use_fp8=self.experts.takes_fp8_rows, recv_stats=received
             )
             return hook
         worst = state.num_worst_tokens if "num_worst_tokens" in state else 0

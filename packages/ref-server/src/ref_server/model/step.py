@@ -159,6 +159,8 @@ class StepMetadata:
     - cu_seqlens_q, cu_seqlens_k: `[b + 1]` int32, where each sequence's new tokens and its
       context start in the flattened rows (0, then the running sums of the lengths).
     A decode's kernel schedule: cache_seqlens `[b]` int32, tile_scheduler_metadata, num_splits.
+    real_rows: `[n]` bool, the rows that are tokens (a CUDA graph's padding rows are not);
+    None: every row.
     """
 
     is_decode: bool
@@ -174,6 +176,7 @@ class StepMetadata:
     cache_seqlens: torch.Tensor | None = None
     tile_scheduler_metadata: torch.Tensor | None = None
     num_splits: torch.Tensor | None = None
+    real_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -188,7 +191,9 @@ class StepMetadata:
         return max(self.context_lens)
 
     @classmethod
-    def decode(cls, positions, slot_mapping, block_table, heads: int) -> StepMetadata:
+    def decode(
+        cls, positions, slot_mapping, block_table, heads: int, real_rows=None
+    ) -> StepMetadata:
         """One new token per sequence, from device tensors alone (so a CUDA graph can capture
         it): each sequence's cache then holds its token's position + 1 tokens."""
         cache_seqlens = (positions + 1).int()
@@ -201,4 +206,5 @@ class StepMetadata:
             cache_seqlens=cache_seqlens,
             tile_scheduler_metadata=metadata,
             num_splits=splits,
+            real_rows=real_rows,
         )

@@ -40,14 +40,16 @@ DELTA_STAGES = {"prefill": 0, "decode": 2}
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, expert_parallel=None) -> None:
+    def __init__(
+        self, args: ModelArgs, layer: int, expert_parallel=None, num_physical_experts=None
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer):
-            self.mlp = MoE(args, expert_parallel)
+            self.mlp = MoE(args, expert_parallel, num_physical_experts)
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
@@ -98,13 +100,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, expert_parallel=None) -> None:
+    def __init__(
+        self, args: ModelArgs, expert_parallel=None, num_physical_experts: int | None = None
+    ) -> None:
+        """num_physical_experts: each MoE layer's expert slots when the instance balances its
+        experts (`MoE`); None: one slot per routed expert."""
         super().__init__()
         self.args = args
         self.expert_parallel = expert_parallel
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            Block(args, i, expert_parallel) for i in range(args.num_hidden_layers)
+            Block(args, i, expert_parallel, num_physical_experts)
+            for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rope = Rope(args)
@@ -119,6 +126,9 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, rotation)
         return self.lm_head(self.norm(x)).float()
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
     def operations(self, cache: PagedKVCache, schedule: str) -> list:
         """A whole cached step as one op list: embed, every layer's ops, the head."""

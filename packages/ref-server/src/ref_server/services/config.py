@@ -65,6 +65,23 @@ class ServeConfig:
     two_batch_prefill_tokens: int = _setting(
         512, "prefill tokens per rank below which one batch runs"
     )
+    redundant_experts: int = _setting(
+        0,
+        "expert slots per MoE layer beyond the routed experts, for replicas of hot ones "
+        "(EPLB); with the routed experts, a multiple of --ranks",
+    )
+    eplb_interval: int = _setting(
+        0,
+        "steps per expert-load window: after each, the experts are placed anew for the load "
+        "it counted and moved while serving (0: never)",
+    )
+    eplb_layers_per_step: int = _setting(1, "MoE layers whose experts move after each step")
+    expert_placement: str | None = _setting(
+        None, "an expert placement file (JSON, as --eplb-save writes) to start from"
+    )
+    eplb_save: str | None = _setting(
+        None, "a file the instance writes each expert placement to once every layer holds it"
+    )
     max_request_bytes: int = _setting(1 << 20, "larger Generate requests are INVALID_ARGUMENT")
     max_inflight: int = _setting(
         1024, "requests the router admits at once; more get RESOURCE_EXHAUSTED (HTTP 429)"
@@ -150,11 +167,16 @@ class ServeConfig:
                 problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
         positive += ("max_model_len", "max_inflight", "health_failures", "ranks")
-        positive += ("prefix_index_pages",)
+        positive += ("prefix_index_pages", "eplb_layers_per_step")
         positive += ("hold_seconds", "request_timeout_s", "queue_timeout_s", "health_interval_s")
         problems += [
             f"{n} must be > 0, got {getattr(self, n)}" for n in positive if getattr(self, n) <= 0
         ]
+        for name in ("redundant_experts", "eplb_interval"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.eplb_save and not self.eplb_interval:
+            problems.append("eplb_save needs eplb_interval > 0 (no placement is computed)")
         if not 0 <= self.cache_threshold <= 1:
             problems.append(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0:

@@ -179,10 +179,11 @@ class Deployment:
         return [a for u in self.instances if u.role == role for a in u.commands]
 
     def _instances(self) -> list[Unit]:
-        from ref_server.services.servers import torch_device
+        from ref_server.services.servers import expert_slots, model_args, torch_device
 
         config = self.config
         on_gpus = torch_device(config).type == "cuda"  # a clear error when there is none
+        expert_slots(config, model_args(config))  # and a bad expert placement
         gpus = torch.cuda.device_count() if on_gpus and config.device in ("auto", "cuda") else 0
         units, started = [], 0
         roles = ["prefill"] * config.prefill_instances + ["decode"] * config.decode_instances

@@ -142,6 +142,8 @@ class EngineLoop:
 
     def _load(self) -> dict:
         engine, scheduler = self.engine, self.engine.scheduler
+        balancer = engine.runner.expert_balancer
+        moved = balancer.moved if balancer else None
         return dict(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
@@ -149,6 +151,8 @@ class EngineLoop:
             queued_tokens=sum(len(s.prompt) for s in scheduler.waiting),
             queued_flops=engine.queued_prefill_flops(),
             held=len(scheduler.held) + len(scheduler.reserved),
+            expert_rebalances=balancer.rebalances if balancer else 0,
+            expert_bytes_moved=moved.copied + moved.sent if moved else 0,
         )
 
     def _run(self) -> None:

@@ -79,6 +79,18 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.expert_rebalances = Gauge(
+            "ref_server_worker_expert_rebalances",
+            "expert placements the worker computed since it started (--eplb-interval)",
+            ["worker"],
+            registry=r,
+        )
+        self.expert_bytes_moved = Gauge(
+            "ref_server_worker_expert_bytes_moved",
+            "expert weight bytes the worker moved into new slots since it started",
+            ["worker"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "ref_server_worker_healthy",
             "1 if the router routes to the worker",
@@ -106,6 +118,8 @@ class Metrics:
             self.waiting.labels(w.name).set(w.load.waiting)
             self.running.labels(w.name).set(w.load.running)
             self.kv_usage.labels(w.name).set(w.load.kv_usage)
+            self.expert_rebalances.labels(w.name).set(w.load.expert_rebalances)
+            self.expert_bytes_moved.labels(w.name).set(w.load.expert_bytes_moved)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,8 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 import ref_server.model as M
 from overlap_sched.gating import Thresholds
-from ref_server.balance import PrefillPolicy
-from ref_server.engine import Engine, SchedulerConfig
+from ref_server.balance import PrefillPolicy, read_placement
+from ref_server.engine import Engine, EplbConfig, SchedulerConfig
 from ref_server.model.checkpoint import read_config
 from ref_server.services.aio import background
 from ref_server.services.config import ServeConfig
@@ -119,16 +119,48 @@ def join_group(config: ServeConfig) -> dist.ProcessGroup | None:
     return dist.group.WORLD
 
 
-def load_model(config: ServeConfig, group: dist.ProcessGroup | None) -> M.Model:
+def load_model(
+    config: ServeConfig, group: dist.ProcessGroup | None, slots: dict | None = None
+) -> M.Model:
+    """slots: `expert_slots(config, ...)`, if already read."""
     device = torch_device(config)
     dtype = torch.float32
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
     weights = dict(dtype=dtype, device=device, group=group, weight_dtype=_weight_dtype(config))
+    weights |= expert_slots(config, model_args(config)) if slots is None else slots
     if config.model:
         return M.from_pretrained(config.model, **weights)
     return M.from_preset(config.preset, seed=config.seed, **weights)
+
+
+def expert_slots(config: ServeConfig, args: M.ModelArgs) -> dict:
+    """The model's expert slots and their placement, where the instance balances experts."""
+    if not (config.redundant_experts or config.eplb_interval or config.expert_placement):
+        return {}
+    slots = args.n_routed_experts + config.redundant_experts
+    if slots % config.ranks:
+        raise ValueError(
+            f"{args.n_routed_experts} routed experts + {config.redundant_experts} redundant "
+            f"do not split over {config.ranks} ranks"
+        )
+    if config.expert_placement is None:
+        return dict(num_physical_experts=slots)
+    placement = read_placement(config.expert_placement, args.n_routed_experts)
+    if config.redundant_experts and placement.shape[1] != slots:
+        raise ValueError(
+            f"{config.expert_placement} places {placement.shape[1]} slots per layer, not the "
+            f"{slots} of --redundant-experts {config.redundant_experts}"
+        )
+    return dict(expert_placement=placement)
+
+
+def eplb(config: ServeConfig) -> EplbConfig | None:
+    if not config.eplb_interval:
+        return None
+    save_to = Path(config.eplb_save) if config.eplb_save else None
+    return EplbConfig(config.eplb_interval, config.eplb_layers_per_step, save_to)
 
 
 def _weight_dtype(config: ServeConfig) -> str | None:
@@ -315,12 +347,14 @@ def serve(config: ServeConfig) -> None:
         asyncio.run(run_router(config, secret))
         return
     torch_device(config)
+    slots = expert_slots(config, model_args(config))
     group = join_group(config)
     thresholds = Thresholds(config.two_batch_decode_tokens, config.two_batch_prefill_tokens)
     engine = Engine(
-        load_model(config, group),
+        load_model(config, group, slots),
         scheduler_config(config),
         two_batch=config.two_batch,
         thresholds=thresholds,
+        eplb=eplb(config),
     )
     asyncio.run(run_instance(config, secret, engine, group))

@@ -167,7 +167,7 @@ class ServerInfo(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., serving: bool = ..., problem: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "queued_tokens", "queued_flops", "held", "mapped_caches")
+    __slots__ = ("running", "waiting", "kv_usage", "queued_tokens", "queued_flops", "held", "mapped_caches", "expert_rebalances", "expert_bytes_moved")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class WorkerLoad(_message.Message):
     QUEUED_FLOPS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     MAPPED_CACHES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_REBALANCES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -182,7 +184,9 @@ class WorkerLoad(_message.Message):
     queued_flops: float
     held: int
     mapped_caches: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., queued_flops: _Optional[float] = ..., held: _Optional[int] = ..., mapped_caches: _Optional[int] = ...) -> None: ...
+    expert_rebalances: int
+    expert_bytes_moved: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., queued_flops: _Optional[float] = ..., held: _Optional[int] = ..., mapped_caches: _Optional[int] = ..., expert_rebalances: _Optional[int] = ..., expert_bytes_moved: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
