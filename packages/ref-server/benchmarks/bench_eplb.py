@@ -33,6 +33,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from bench_expert_gemm import ceilings, graph_ms  # this folder's: the same timing and ceilings
 
 import ref_server.model as M
 from ref_server.balance import balancedness, rebalance_experts
@@ -48,32 +49,6 @@ LAYOUTS = {  # ranks, nodes, tokens a rank
 }
 PUBLISHED_GAIN = {"prefill EP32": 1.49, "decode EP144": 2.54}  # SGLang, tokens/s
 ATOM_REARRANGEMENT = 1.167  # ATOM, re-arrangement only (no redundant experts)
-
-
-def graph_ms(fn, reps: int) -> float:
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    events = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def ceilings(reps: int) -> tuple[float, float]:
-    """bf16 matmul FLOP/s at 8192^3 and copy bytes/s (read + write) of 1 GiB."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * 8192**3 / graph_ms(lambda: a @ a, reps) * 1e3
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return flops, 2 * src.numel() / graph_ms(lambda: dst.copy_(src), reps) * 1e3
 
 
 def routing(g: torch.Generator, tokens: int, order: torch.Tensor, exponent: float) -> torch.Tensor:
