@@ -8,15 +8,16 @@ Random weights from the preset (`--layers` keeps the first N layers, to fit a sm
 the default on CPU is `tiny`); `--weight-dtype fp8` keeps the projections DeepSeek stores in
 FP8 as e4m3 with 128 x 128 block scales (`from_args(weight_dtype="fp8")`). For each batch
 size: one cached prefill step of `--prompt` tokens per sequence, then `--steps` decode steps of
-one token per sequence (absorbed MLA through mla_kernels), eagerly and replayed from CUDA
-graphs (`DecodeGraphs`, on CUDA), each timed as the median of its repetitions with the device
-synchronized. The ratio is of the graphs' figure.
+one random token per sequence (absorbed MLA through mla_kernels), eagerly and replayed from CUDA
+graphs (`DecodeGraphs`, on CUDA), each timed as the median of its repetitions (after two
+untimed calls) with the device synchronized. The ratio is of the graphs' figure.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
 decompressed heads; decode: 576 + 512 wide products over the cached context) and bytes =
 the weights the step touches (attention, dense layers, shared experts, the routed experts
-that the batch's tokens can reach; FP8 ones at 1 byte plus their block scales, as
+the step's tokens chose, counted per layer in one eager step of the same inputs (decode: of
+random tokens, as the timed steps decode); FP8 ones at 1 byte plus their block scales, as
 `ModelArgs.weight_bytes_per_gpu` counts them) + the latent cache read (decode); the bound is
 the slower of FLOPs / matmul ceiling and bytes / copy ceiling. The matmul ceiling is the
 activations' dtype's (bf16 on CUDA) with FP8 weights too: attention and the head stay bf16,
@@ -54,7 +55,8 @@ def sync(device: torch.device) -> None:
 
 
 def median_seconds(fn, device, reps: int) -> float:
-    fn()
+    for _ in range(2):  # Triton compiles and tunes its kernels for new shapes in the first calls
+        fn()
     times = []
     for _ in range(reps):
         sync(device)
@@ -90,24 +92,30 @@ def fp8_ceiling(device: torch.device) -> float:
     return 2 * n**3 / median_seconds(matmul, device, 10)
 
 
-def weight_bytes(args: M.ModelArgs, tokens: int, weight_dtype: str) -> float:
-    """Bytes of the weights a step of `tokens` tokens reads, as `ModelArgs.weight_bytes_per_gpu`
-    counts them: all but the embedding table (a lookup) and the routed experts no token can
-    reach."""
+def weight_bytes(args: M.ModelArgs, reached: list[int], weight_dtype: str) -> float:
+    """Bytes of the weights a step reads, as `ModelArgs.weight_bytes_per_gpu` counts them: all
+    but the embedding table (a lookup) and the routed experts no token chose (reached[l]: the
+    experts MoE layer l's tokens chose)."""
     experts = args.n_routed_experts
     everything = args.weight_bytes_per_gpu(1, weight_dtype)
     # split over one rank per expert a GPU keeps one routed expert a layer: experts - 1 fewer
     one_each = args.weight_bytes_per_gpu(experts, weight_dtype)
-    expert = (everything - one_each) / max(experts - 1, 1)  # one expert in every MoE layer
-    reachable = min(experts, tokens * args.num_experts_per_tok)
-    return everything - (experts - reachable) * expert - 2 * args.vocab_size * args.hidden_size
+    expert = (everything - one_each) / max(experts - 1, 1) / len(reached)  # one, in one layer
+    unused = sum(experts - r for r in reached)
+    return everything - unused * expert - 2 * args.vocab_size * args.hidden_size
 
 
 def step_cost(
-    args: M.ModelArgs, batch: int, new: int, context: int, cache_bytes: int, weight_dtype: str
+    args: M.ModelArgs,
+    batch: int,
+    new: int,
+    context: int,
+    cache_bytes: int,
+    weight_dtype: str,
+    reached: list[int],
 ):
     """(FLOPs, bytes) of one step: `batch` sequences, `new` tokens each, `context` cached after,
-    weights in weight_dtype ("bf16" or "fp8")."""
+    weights in weight_dtype ("bf16" or "fp8"), reached[l] routed experts chosen in MoE layer l."""
     heads, layers = args.num_attention_heads, args.num_hidden_layers
     tokens = batch * new
     if new == 1:  # absorbed decode: products 576 and 512 wide over the latent cache
@@ -115,7 +123,26 @@ def step_cost(
     else:
         flops = batch * args.prefill_flops(new, context - new)
     cache = layers * batch * context * cache_bytes if new == 1 else layers * tokens * cache_bytes
-    return flops, weight_bytes(args, tokens, weight_dtype) + cache
+    return flops, weight_bytes(args, reached, weight_dtype) + cache
+
+
+def reached_experts(model, step) -> list[int]:
+    """How many routed experts each MoE layer's tokens chose in one eager `step()`."""
+    reached, layers = [], model.moe_layers()
+    for moe in layers:
+
+        def recorded(logits, select=moe.gate.select):
+            weights, ids = select(logits)
+            reached.append(int(ids.unique().numel()))
+            return weights, ids
+
+        moe.gate.select = recorded
+    try:
+        step()
+    finally:
+        for moe in layers:
+            del moe.gate.select
+    return reached
 
 
 def profile_step(fn, device: torch.device, source: str, trace: str | None = None) -> dict:
@@ -174,8 +201,9 @@ def trace_path(trace: str | None, step: str) -> str | None:
 
 def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling=False, trace=None):
     """Seconds of a prefill step and of a decode step, eager and (on CUDA) from CUDA graphs,
-    the context after the timed decode steps, and with `profiling` each step's `profile_step`
-    (trace: `--trace`)."""
+    the context after the timed decode steps, with `profiling` each step's `profile_step`
+    (trace: `--trace`), and the experts each MoE layer's tokens chose in each kind of step
+    (one eager step of the same inputs: prefill; of random tokens like the timed ones: decode)."""
     args = model.args
     page = 64
     pages = -(-(prompt + 2 * steps * (reps + 2)) // page)
@@ -184,6 +212,7 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling
     ids = torch.randint(2, args.vocab_size, (batch * prompt,), device=device)
     prefill = StepBatch(ids, [prompt] * batch, [prompt] * batch, table)
     prefill_s = median_seconds(lambda: model.forward_step(prefill, cache), device, reps)
+    reached = dict(prefill=reached_experts(model, lambda: model.forward_step(prefill, cache)))
     profiles = {}
     if profiling:
         profiles["prefill"] = profile_step(
@@ -196,13 +225,14 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling
 
     def decode(forward):
         length[0] += 1
-        token = torch.full((batch,), 7, device=device)
-        forward(StepBatch(token, [1] * batch, [length[0]] * batch, table))
+        tokens = torch.randint(2, args.vocab_size, (batch,), device=device)
+        forward(StepBatch(tokens, [1] * batch, [length[0]] * batch, table))
 
     def eager(b):
         return model.forward_step(b, cache)
 
     eager_s = median_seconds(lambda: decode(eager), device, steps)
+    reached["decode"] = reached_experts(model, lambda: decode(eager))
     graphs_s = None
     context = length[0]
     decode_trace = trace_path(trace, "decode")
@@ -222,7 +252,7 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling
         if device.type == "cuda":
             source += ": the profiler saw no kernels in a CUDA-graph replay"
         profiles["decode"] = profile_step(lambda: decode(eager), device, source, decode_trace)
-    return prefill_s, eager_s, graphs_s, context, profiles
+    return prefill_s, eager_s, graphs_s, context, profiles, reached
 
 
 def main() -> None:
@@ -233,7 +263,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--batches", default="1,8,32,128,256" if cuda else "1,4")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--profile", action="store_true", help="kernels of the first batch's steps")
     parser.add_argument("--trace", help="Chrome traces of the profiled steps (implies --profile)")
@@ -272,12 +302,13 @@ def main() -> None:
             f"stay {dtype}); an FP8 matmul (_scaled_mm, per-tensor scales): {measured}"
         )
     print(
-        "batch | prefill tok/s | roofline | ratio | decode tok/s: graphs | eager | roofline | ratio"
+        "batch | prefill tok/s | roofline | ratio | decode tok/s: graphs | eager | roofline "
+        "| ratio | experts chosen a layer: prefill / decode"
     )
     rows = []
     profiled = None
     for i, batch in enumerate(map(int, options.batches.split(","))):
-        prefill_s, eager_s, graphs_s, context, profiles = run(
+        prefill_s, eager_s, graphs_s, context, profiles, reached = run(
             model,
             batch,
             options.prompt,
@@ -291,11 +322,13 @@ def main() -> None:
             profiled = dict(batch=batch, **profiles)
         decode_s = graphs_s or eager_s
         bounds = []
-        for new, ctx, seconds in (
-            (options.prompt, options.prompt, prefill_s),
-            (1, context, decode_s),
+        for new, ctx, seconds, step in (
+            (options.prompt, options.prompt, prefill_s, "prefill"),
+            (1, context, decode_s, "decode"),
         ):
-            flops, nbytes = step_cost(args, batch, new, ctx, 576 * 2, options.weight_dtype)
+            flops, nbytes = step_cost(
+                args, batch, new, ctx, 576 * 2, options.weight_dtype, reached[step]
+            )
             bound = max(flops / flops_peak, nbytes / copy_peak)
             bounds.append((batch * new / seconds, batch * new / bound))
         (prefill, prefill_bound), (decode, decode_bound) = bounds
@@ -308,12 +341,16 @@ def main() -> None:
                 decode_tok_s=decode,
                 decode_eager_tok_s=eager,
                 decode_roofline=decode_bound,
+                prefill_experts_reached=reached["prefill"],
+                decode_experts_reached=reached["decode"],
             )
         )
         graphs = f"{decode:20.1f}" if graphs_s else f"{'-':>20}"
+        mean = {step: sum(r) / len(r) for step, r in reached.items()}
         print(
             f"{batch:5d} | {prefill:13.0f} | {prefill_bound:8.0f} | {prefill / prefill_bound:5.2f} "
-            f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f}"
+            f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f} "
+            f"| {mean['prefill']:5.1f} / {mean['decode']:5.1f}"
         )
     if profiled:
         for step in ("prefill", "decode"):
