@@ -143,6 +143,9 @@ def test_the_balancer_replicates_the_hot_experts_and_saves_the_placement(checkpo
     assert (read_placement(saved, num_logical=8) == placement).all()
     again = M.from_pretrained(checkpoint, expert_placement=read_placement(saved))
     assert [m.slot_experts() for m in again.moe_layers()] == placement.tolist()
+    idle = ExpertBalancer(again, EplbConfig(interval=1))
+    idle.rebalance()  # a window without tokens
+    assert idle.rebalances == 0 and not idle.pending
     with pytest.raises(ValueError, match="needs a model built with num_physical_experts"):
         ExpertBalancer(M.from_pretrained(checkpoint), EplbConfig(interval=1))
     with pytest.raises(ValueError, match="must be >= 1"):

@@ -88,8 +88,11 @@ class ExpertBalancer:
             self._save()
 
     def rebalance(self) -> None:
-        """Read the window's load and queue the layers whose placement changes."""
+        """Read the window's load and queue the layers whose placement changes (none after a
+        window without tokens: there is nothing to balance)."""
         self.last_load, current = self.load(), self.placement()
+        if not self.last_load.any():
+            return
         placement = rebalance_experts(
             self.last_load, current.shape[1], self.args.n_group, 1, self.ranks, previous=current
         )
