@@ -1,4 +1,4 @@
-"""The `ref-server` command line: serve, demo, economics.
+"""The `ref-server` command line: serve, demo, bench, economics.
 
 Building the parser imports no torch, grpc, fastapi or rich: `--help` and bad flags answer at
 once. Every error is one line on stderr and exit code 2.
@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from ref_server import __version__, economics
 from ref_server.services.config import (
@@ -96,6 +97,27 @@ requests, stream the first, and report throughput and time to first token.
 
 Settings come from the defaults shown below, then the TOML file given with --config (flat
 keys, the flags' names with underscores), then the flags."""
+
+
+BENCH_DESCRIPTION = """\
+Send requests to a running deployment (the router's gRPC API, or with --api openai any
+OpenAI-compatible HTTP server) and report throughput, time to first token (TTFT), time per
+output token (TPOT), cache hits and errors.
+
+Give one schedule; a comma-separated list runs each value in turn (a sweep):
+  --rate R         steady state: Poisson arrivals of R requests/s
+  --concurrency C  steady state: C requests in flight at all times
+  --fill N         saturation: N requests at once; output tok/s is measured over the window in
+                   which all N decode (from the last one's second token to the first one's end)"""
+BENCH_EPILOG = """\
+examples:
+  ref-server bench --concurrency 1,8,64 --prompt-tokens 512 --output-tokens 128
+  ref-server bench --rate 2,4,8 --prompt-tokens 256..2048 --shared-prefix 0.5 --plot curve.png
+  ref-server bench --fill 128 --output-tokens 256 --json > fill.json
+  ref-server bench --api openai --url http://127.0.0.1:8000 --vocab-size 129280 --fill 64
+
+Prompts are random token ids: the same seed sends the same prompts, so a second invocation
+against the same server finds them in its prefix cache; change --seed between invocations."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -195,7 +217,104 @@ def _parser() -> argparse.ArgumentParser:
     )
     _serve_flags(demo, for_demo=True)
     demo.set_defaults(run=_demo, parser=demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="load a running deployment: throughput, TTFT, TPOT, cache hits, errors",
+        description=BENCH_DESCRIPTION,
+        epilog=BENCH_EPILOG,
+        usage="ref-server bench (--rate R | --concurrency C | --fill N) [options]",
+        formatter_class=HelpFormatter,
+    )
+    _bench_flags(bench)
+    bench.set_defaults(run=_bench, parser=bench)
     return parser
+
+
+def _bench_flags(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("where")
+    target.add_argument(
+        "--api", choices=("grpc", "openai"), default="grpc", help="which API (default: grpc)"
+    )
+    target.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        default="127.0.0.1:50051",
+        help="the router's gRPC address (default: 127.0.0.1:50051)",
+    )
+    target.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the OpenAI API's base URL, without /v1 (default: http://127.0.0.1:8000)",
+    )
+    target.add_argument(
+        "--api-key-file", metavar="FILE", help="a file whose first line is the API key"
+    )
+    target.add_argument(
+        "--tls-ca", metavar="FILE", help="PEM file of the server certificate's CA (TLS)"
+    )
+    schedule = parser.add_argument_group("schedule (one of)").add_mutually_exclusive_group(
+        required=True
+    )
+    schedule.add_argument("--rate", type=_sweep, metavar="R[,R...]", help="requests per second")
+    schedule.add_argument(
+        "--concurrency", type=_sweep, metavar="C[,C...]", help="requests in flight"
+    )
+    schedule.add_argument("--fill", type=_sweep, metavar="N[,N...]", help="requests at once")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument(
+        "--requests",
+        type=_positive,
+        metavar="N",
+        help="requests per run, not with --fill (default: 64, or the length file's lines)",
+    )
+    workload.add_argument(
+        "--prompt-tokens",
+        metavar="N|LO..HI",
+        help="prompt length: fixed, or uniform in LO..HI (default: 128)",
+    )
+    workload.add_argument(
+        "--output-tokens",
+        metavar="N|LO..HI",
+        help="max_tokens of each request: fixed, or uniform in LO..HI (default: 32)",
+    )
+    workload.add_argument(
+        "--lengths",
+        metavar="FILE",
+        help='JSONL of {"prompt_tokens": n, "output_tokens": m} lines, used in order '
+        "(instead of the two above)",
+    )
+    workload.add_argument(
+        "--shared-prefix",
+        type=float,
+        default=0.0,
+        metavar="RATIO",
+        help="share of each prompt that is one prefix common to all, 0..1 (default: 0)",
+    )
+    workload.add_argument(
+        "--seed", type=int, default=0, help="lengths, tokens, arrivals, sampling (default: 0)"
+    )
+    workload.add_argument(
+        "--temperature", type=float, default=0.0, metavar="X", help="0: greedy (default: 0)"
+    )
+    workload.add_argument(
+        "--vocab-size",
+        type=_positive,
+        metavar="N",
+        help="prompt token ids are drawn below N (default: the model's; needed with --api openai)",
+    )
+    workload.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="one request's limit, start to end (default: 600)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    output.add_argument(
+        "--plot", metavar="PATH", help="write latency against throughput as a PNG (matplotlib)"
+    )
 
 
 def _serve_flags(parser: argparse.ArgumentParser, for_demo: bool) -> None:
@@ -261,6 +380,15 @@ def _positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a whole number > 0, got {text!r}")
     return value
+
+
+def _sweep(text: str) -> list[float]:
+    try:
+        return [float(value) for value in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, got {text!r}"
+        ) from None
 
 
 def _addresses(text: str) -> list[str]:
@@ -329,6 +457,71 @@ def _demo(args: argparse.Namespace) -> int:
         config = config.replace(http_port=free_port())
     run_demo(config, args.requests, args.max_tokens, Console())
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ref_server.bench.report import Mode
+    from ref_server.bench.workload import LengthSpec, Workload, read_length_file
+
+    kind = next(kind for kind in ("rate", "concurrency", "fill") if getattr(args, kind))
+    modes = [Mode(kind, value) for value in getattr(args, kind)]
+    if args.lengths and (args.prompt_tokens or args.output_tokens):
+        raise ValueError("--lengths gives the lengths: leave out --prompt-tokens, --output-tokens")
+    specs = {}
+    for name in ("prompt_tokens", "output_tokens"):
+        try:
+            if getattr(args, name):
+                specs[name] = LengthSpec.parse(getattr(args, name))
+        except ValueError as error:
+            raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+    length_file = read_length_file(args.lengths) if args.lengths else None
+    workload = Workload(
+        **specs, length_file=length_file, shared_prefix=args.shared_prefix, seed=args.seed
+    )
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.plot:
+        from ref_server.bench.plot import require_matplotlib
+
+        require_matplotlib()  # before the runs, not after them
+    api_key = _api_key(args.api_key_file) if args.api_key_file else None
+    from rich.console import Console
+
+    from ref_server.bench.runner import run_bench
+    from ref_server.bench.targets import GrpcTarget, OpenAITarget, RequestOptions
+
+    options = RequestOptions(args.temperature, args.timeout)
+    if args.api == "grpc":
+        target = GrpcTarget(args.address, options, api_key, args.tls_ca)
+    else:
+        target = OpenAITarget(args.url, options, api_key, args.tls_ca)
+    _interrupt_on_signals()
+    document = run_bench(
+        target, workload, modes, args.requests, args.vocab_size, Console(stderr=True)
+    )
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        from ref_server.bench.table import print_report
+
+        print_report(document, Console())
+    if args.plot:
+        from ref_server.bench.plot import draw
+
+        draw(document, args.plot)
+    return 0
+
+
+def _api_key(path: str) -> str:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"API key file not found: {path}") from None
+    if not lines or not lines[0].strip():
+        raise ValueError(f"API key file {path} has no key on its first line")
+    return lines[0].strip()
 
 
 def _economics(args: argparse.Namespace) -> int:
