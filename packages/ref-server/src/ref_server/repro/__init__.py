@@ -1,0 +1,58 @@
+"""The day-6 projection: from one GPU's measured per-layer times to tokens per second per node,
+set beside DeepSeek's and SGLang's figures and priced with DeepSeek's cost model.
+
+Pure arithmetic (no torch): the GPU measurement that feeds it lives elsewhere. Every number is
+a `Term` labelled measured, published, assumed or derived. See docs/reproduction.md.
+
+    point = shapes.PREFILL_EP32
+    phase = PhaseProjection(point, Device("cuda", "NVIDIA H200"), times, communication,
+                            imbalance.PERFECT, measured_step=step)
+    Reproduction(phase, decode_phase).to_json()
+"""
+
+from ref_server.repro import communication, imbalance, published, schedule, shapes
+from ref_server.repro.comparison import Comparison, comparisons, margin
+from ref_server.repro.projection import (
+    Communication,
+    LayerTimes,
+    PhaseProjection,
+    implied_step_time,
+)
+from ref_server.repro.report import CAVEATS, Reproduction
+from ref_server.repro.shapes import (
+    DECODE_EP144,
+    PREFILL_EP32,
+    OperatingPoint,
+    RankWork,
+    V3Dims,
+    per_rank_work,
+)
+from ref_server.repro.terms import CPU_LABEL, Device, NotAGPUFigure, Term, derived
+
+__all__ = [
+    "CAVEATS",
+    "CPU_LABEL",
+    "DECODE_EP144",
+    "PREFILL_EP32",
+    "Communication",
+    "Comparison",
+    "Device",
+    "LayerTimes",
+    "NotAGPUFigure",
+    "OperatingPoint",
+    "PhaseProjection",
+    "RankWork",
+    "Reproduction",
+    "Term",
+    "V3Dims",
+    "communication",
+    "comparisons",
+    "derived",
+    "imbalance",
+    "implied_step_time",
+    "margin",
+    "per_rank_work",
+    "published",
+    "schedule",
+    "shapes",
+]

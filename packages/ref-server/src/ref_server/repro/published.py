@@ -1,0 +1,130 @@
+"""The published figures the projection uses or compares with, each citing its source.
+
+Every value is copied from `shared/anchors.md` or `shared/research/` (wave2.md §1.2 and §6,
+ep-comm.md §3), which cite the original documents; none is computed here. "Per node" means
+per 8-GPU node of the phase that produced the tokens unless the note says otherwise.
+"""
+
+from __future__ import annotations
+
+from ref_server.repro.terms import Term
+
+DAY6 = "DeepSeek open-infra-index day 6, 24 h from 2025-02-27 (anchors.md)"
+PROFILE = "deepseek-ai/profile-data@4496024 settings (anchors.md, wave2.md §6.1)"
+SGLANG = "SGLang blog 2025-05-05 large-scale EP, 96 x H100 (wave2.md §6.1)"
+DEEPEP_LL = "DeepEP README@567632d, H800 + CX7 IB, 128 tokens, H 7168, top-8 (wave2.md §1.2)"
+DEEPEP_NORMAL = "DeepEP README, H800 + CX7 IB, 4096 tokens, H 7168, top-8 (anchors.md, ep-comm.md)"
+
+
+def _term(name: str, value: float, unit: str, note: str) -> Term:
+    return Term(name, value, unit, "published", note)
+
+
+GPUS_PER_NODE = _term("gpus_per_node", 8, "GPU", f"H800 nodes of 8 GPUs; {DAY6}")
+GPU_HOUR_USD = _term(
+    "gpu_hour_usd", 2.0, "USD/GPU-hour", f"DeepSeek's assumed H800 rental price; {DAY6}"
+)
+CACHE_HIT_SHARE = _term(
+    "cache_hit_share", 0.563, "1", f"342 B of 608 B input tokens hit the on-disk KV cache; {DAY6}"
+)
+
+# DeepSeek's production day: averages over 24 h of varying load, not saturation figures.
+DAY6_PREFILL_PER_NODE = _term(
+    "day6_prefill_per_node", 73_700, "tok/s/node", f"input tokens incl. cache hits; {DAY6}"
+)
+DAY6_DECODE_PER_NODE = _term("day6_decode_per_node", 14_800, "tok/s/node", f"output; {DAY6}")
+DAY6_MEAN_KV_LENGTH = _term(
+    "day6_mean_kv_length", 4_989, "tok", f"mean KV length per output token; {DAY6}"
+)
+
+# The operating points of profile-data (simulated with perfectly balanced routing).
+PROFILE_PREFILL_TOKENS_PER_GPU = _term(
+    "profile_prefill_tokens_per_gpu", 16_384, "tok", f"EP32, 4K prompts; {PROFILE}"
+)
+PROFILE_PREFILL_MICROBATCHES = _term(
+    "profile_prefill_microbatches", 2, "microbatch", f"two microbatches of 8,192; {PROFILE}"
+)
+PROFILE_DECODE_REQUESTS_PER_GPU = _term(
+    "profile_decode_requests_per_gpu", 128, "request", f"EP128, 4K prompts; {PROFILE}"
+)
+PROFILE_PREFILL_PER_NODE = _term(
+    "profile_prefill_per_node",
+    62_713,
+    "tok/s/node",
+    "SGLang's 'DeepSeek profile' figure derived from profile-data, 16 nodes, KV 4096; how it "
+    f"was derived is not stated; {SGLANG}",
+)
+PROFILE_DECODE_PER_NODE = _term(
+    "profile_decode_per_node",
+    18_598,
+    "tok/s/node",
+    "SGLang's 'DeepSeek profile' figure; SGLang's simulated-MTP comparison implies it includes "
+    f"MTP; {SGLANG}",
+)
+
+# SGLang's open reproduction: saturation figures (decode through the "slow-down" API).
+SGLANG_PREFILL_PER_NODE = {
+    1_000: _term("sglang_prefill_1k_per_node", 57_674, "tok/s/node", f"EP32, 1K input; {SGLANG}"),
+    2_000: _term("sglang_prefill_2k_per_node", 54_543, "tok/s/node", f"EP32, 2K input; {SGLANG}"),
+    4_000: _term("sglang_prefill_4k_per_node", 50_302, "tok/s/node", f"EP32, 4K input; {SGLANG}"),
+}
+SGLANG_DECODE_PER_NODE = _term(
+    "sglang_decode_per_node", 22_282, "tok/s/node", f"EP72, 2K input, 256 req/GPU; {SGLANG}"
+)
+SGLANG_DECODE_MTP_PER_NODE = _term(
+    "sglang_decode_simulated_mtp_per_node",
+    17_373,
+    "tok/s/node",
+    f"EP72, simulated MTP, KV 4K, 128 req/GPU; {SGLANG}",
+)
+SGLANG_PREFILL_BALANCEDNESS = _term(
+    "sglang_prefill_balancedness",
+    0.85,
+    "1",
+    "SGLang's prefill with its default expert placement vs simulated perfect balance "
+    "(wave2.md §6.3 step 4)",
+)
+
+# DeepEP's communication figures on H800 + InfiniBand ("published-H800-IB").
+DEEPEP_LL_DISPATCH_EP8_NVLINK = _term(
+    "deepep_ll_dispatch_ep8_nvlink", 77e-6, "s", f"EP8 over NVLink, FP8, PR #173; {DEEPEP_LL}"
+)
+DEEPEP_LL_COMBINE_EP8_NVLINK = _term(
+    "deepep_ll_combine_ep8_nvlink", 114e-6, "s", f"EP8 over NVLink, BF16, PR #173; {DEEPEP_LL}"
+)
+DEEPEP_LL_DISPATCH_EP128 = _term(
+    "deepep_ll_dispatch_ep128", 192e-6, "s", f"EP128 over IB, FP8; {DEEPEP_LL}"
+)
+DEEPEP_LL_COMBINE_EP128 = _term(
+    "deepep_ll_combine_ep128", 369e-6, "s", f"EP128 over IB, BF16; {DEEPEP_LL}"
+)
+DEEPEP_LL_TOKENS = _term(
+    "deepep_ll_tokens", 128, "tok", f"tokens per rank of those figures; {DEEPEP_LL}"
+)
+DEEPEP_NORMAL_DISPATCH_EP32 = _term(
+    "deepep_normal_dispatch_ep32",
+    58e9,
+    "B/s",
+    f"internode EP32 RDMA bandwidth, FP8, after the April 2025 update; {DEEPEP_NORMAL}",
+)
+DEEPEP_NORMAL_COMBINE_EP32 = _term(
+    "deepep_normal_combine_ep32",
+    57e9,
+    "B/s",
+    f"internode EP32 RDMA bandwidth, BF16, after the April 2025 update; {DEEPEP_NORMAL}",
+)
+
+# Hardware (anchors.md "Hardware ceilings"; wave2.md §6.3 step 7).
+H800_HBM_BANDWIDTH = _term("h800_hbm_bandwidth", 3.35e12, "B/s", "H800 SXM spec (anchors.md)")
+H200_HBM_BANDWIDTH = _term("h200_hbm_bandwidth", 4.8e12, "B/s", "H200 SXM spec (anchors.md)")
+H800_HBM_CAPACITY = _term("h800_hbm_capacity", 80e9, "B", "H800 (wave2.md §6.3 step 7)")
+H200_HBM_CAPACITY = _term("h200_hbm_capacity", 141e9, "B", "H200 SXM (anchors.md)")
+DENSE_BF16_TENSOR = _term(
+    "dense_bf16_tensor_flops",
+    990e12,
+    "FLOP/s",
+    "H800, H100 and H200 spec alike, the same SM count (anchors.md)",
+)
+H800_NVLINK = _term(
+    "h800_nvlink_per_direction", 160e9, "B/s", "usable per direction, DeepEP's H800 (anchors.md)"
+)

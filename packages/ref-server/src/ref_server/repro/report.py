@@ -1,0 +1,158 @@
+"""The whole reproduction table: both phases, the comparisons, the margin, the hardware
+differences and the memory check, as JSON (every term with value, unit, source and note) and as
+text. A table resting on a CPU measurement says "CPU, not a GPU figure" on every derived and
+measured row and at its head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ref_server.repro import comparison, published
+from ref_server.repro.projection import PhaseProjection
+from ref_server.repro.shapes import kv_cache_bytes, memory_check, per_rank_work
+from ref_server.repro.terms import CPU_LABEL, Term, derived
+
+CAVEATS = (
+    "Day 6's 73.7k / 14.8k tok/s per node are 24-hour averages over varying load; our figures "
+    "are saturation figures at a fixed batch, comparable with profile-data's and SGLang's.",
+    "profile-data simulated perfectly balanced routing: compare with it at balancedness 1 only.",
+    "Prefill counts computed tokens; 'incl. cache hits' divides by 1 - 0.563 as day 6 does.",
+    "Multi-token prediction is not modelled: decode counts one output token a request a step.",
+    "The ideal two-batch step is a lower bound (throughput upper bound); only a measured "
+    "two-batch step is a projection.",
+    "Communication labelled published-H800-IB is DeepEP's H800 + CX7 figure, not our fabric's.",
+)
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """Both phases' projections priced at `gpu_hour_usd`. decode_weights_per_gpu (bytes, from
+    `ModelArgs.weight_bytes_per_gpu` of the layout) enables the memory check, with the KV cache
+    of the decode layout's requests at day 6's mean KV length."""
+
+    prefill: PhaseProjection
+    decode: PhaseProjection
+    gpu_hour_usd: Term = published.GPU_HOUR_USD
+    decode_weights_per_gpu: Term | None = None
+    kv_cache_fp8: bool = True
+    hbm_capacity: Term = published.H200_HBM_CAPACITY
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            if getattr(self, name).point.phase != name:
+                raise ValueError(f"{name} must be a {name} projection")
+
+    @property
+    def label(self) -> str:
+        devices = {self.prefill.device, self.decode.device}
+        if not all(device.is_gpu for device in devices):
+            return CPU_LABEL
+        return "; ".join(sorted(device.label for device in devices))
+
+    def comparisons(self) -> list[comparison.Comparison]:
+        return comparison.comparisons(self.prefill) + comparison.comparisons(self.decode)
+
+    def economics(self) -> list[Term]:
+        return comparison.margin(
+            self.prefill.projected(), self.decode.projected(), self.gpu_hour_usd
+        )
+
+    def hardware(self) -> list[Term]:
+        """H800 (DeepSeek's) against H200 (ours), wave2.md §6.3 step 7."""
+        ratio = derived(
+            "hbm_bandwidth_h200_over_h800",
+            published.H200_HBM_BANDWIDTH.value / published.H800_HBM_BANDWIDTH.value,
+            "1",
+            [published.H200_HBM_BANDWIDTH, published.H800_HBM_BANDWIDTH],
+            "memory-bound decode attention should run about this much faster on H200; SM count "
+            "and tensor throughput are the same; our box has no InfiniBand for EP across nodes",
+        )
+        return [
+            published.H800_HBM_BANDWIDTH,
+            published.H200_HBM_BANDWIDTH,
+            ratio,
+            published.H800_HBM_CAPACITY,
+            published.H200_HBM_CAPACITY,
+            published.DENSE_BF16_TENSOR,
+            published.H800_NVLINK,
+        ]
+
+    def memory(self) -> list[Term]:
+        if self.decode_weights_per_gpu is None:
+            return []
+        point, dims = self.decode.point, self.decode.dims
+        kv_length = published.DAY6_MEAN_KV_LENGTH
+        kv = derived(
+            "decode_kv_cache_per_gpu",
+            kv_cache_bytes(dims, point.tokens_per_gpu, kv_length.value, self.kv_cache_fp8),
+            "B",
+            [point.tokens_term(), kv_length],
+            f"{'FP8' if self.kv_cache_fp8 else 'BF16'} latent cache of "
+            f"{dims.num_hidden_layers} layers",
+        )
+        weights = self.decode_weights_per_gpu
+        return [weights, kv, self.hbm_capacity, memory_check(weights, kv, self.hbm_capacity)]
+
+    def _phase_json(self, projection: PhaseProjection) -> dict[str, object]:
+        def rows(terms: list[Term]) -> list[dict[str, object]]:
+            return [_row(term, projection.device.label) for term in terms]
+
+        layout = per_rank_work(projection.dims, projection.point).terms(projection.point)
+        return {
+            "device": {"kind": projection.device.kind, "name": projection.device.name},
+            "figure": projection.device.label,
+            "per_rank_work": rows(layout),
+            "inputs": rows(projection.inputs()),
+            "step_times": rows(list(projection.step_times.values())),
+            "throughput": rows([t for ts in projection.throughput.values() for t in ts]),
+            "projected_from": projection.projected_variant,
+        }
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "figure": self.label,
+            "prefill": self._phase_json(self.prefill),
+            "decode": self._phase_json(self.decode),
+            "comparisons": [row.to_json() | {"figure": self.label} for row in self.comparisons()],
+            "economics": [_row(term, self.label) for term in self.economics()],
+            "hardware": [term.to_json() for term in self.hardware()],
+            "memory": [_row(term, self.decode.device.label) for term in self.memory()],
+            "caveats": list(CAVEATS),
+        }
+
+    def to_text(self) -> str:
+        """Every term as a line (name, value, unit, source, note), headed by the label."""
+        data = self.to_json()
+        lines = [f"day-6 reproduction: {self.label}"]
+        sections = [
+            (f"{phase} {part}", data[phase][part])
+            for phase in ("prefill", "decode")
+            for part in ("per_rank_work", "inputs", "step_times", "throughput")
+        ]
+        sections += [(name, data[name]) for name in ("economics", "hardware", "memory")]
+        for title, rows in sections:
+            lines.append(f"\n{title}")
+            lines += [_line(row) for row in rows]
+        lines.append("\ncomparisons (ours / published)")
+        for row in data["comparisons"]:
+            ref = row["reference"]
+            lines.append(
+                f"  {row['ours']:<44} {row['ratio']:6.2f} x {ref['name']} "
+                f"({ref['value']:,.0f}, {row['kind']}): {row['caveat']}"
+            )
+        return "\n".join([*lines, "", *(f"- {caveat}" for caveat in CAVEATS)])
+
+
+def _row(term: Term, label: str) -> dict[str, object]:
+    row = term.to_json()
+    if "measured" in (term.basis or (term.source,)):
+        row["figure"] = label
+    return row
+
+
+def _line(row: dict[str, object]) -> str:
+    unlabelled = row.get("figure") == CPU_LABEL and CPU_LABEL not in row["note"]
+    figure = f" [{CPU_LABEL}]" if unlabelled else ""
+    basis = f"derived from {'+'.join(row['basis'])}" if "basis" in row else row["source"]
+    value = f"{row['value']:>14,.6g} {row['unit']:<12}"
+    return f"  {row['name']:<44} {value} {basis}: {row['note']}{figure}"
