@@ -1,13 +1,18 @@
 """The published figures the projection uses or compares with, each citing its source.
 
 Every value is copied from `shared/anchors.md` or `shared/research/` (wave2.md §1.2 and §6,
-ep-comm.md §3), which cite the original documents; none is computed here. "Per node" means
-per 8-GPU node of the phase that produced the tokens unless the note says otherwise.
+ep-comm.md §3), which cite the original documents; none is computed here. The day-6 figures
+that `ref_server.economics` holds already (its "deepseek-day6" preset) are read from there.
+"Per node" means per 8-GPU node of the phase that produced the tokens unless the note says
+otherwise.
 """
 
 from __future__ import annotations
 
+from ref_server.economics import PRESETS
 from ref_server.repro.terms import Term
+
+_DAY6 = PRESETS["deepseek-day6"]
 
 DAY6 = "DeepSeek open-infra-index day 6, 24 h from 2025-02-27 (anchors.md)"
 PROFILE = "deepseek-ai/profile-data@4496024 settings (anchors.md, wave2.md §6.1)"
@@ -20,9 +25,12 @@ def _term(name: str, value: float, unit: str, note: str) -> Term:
     return Term(name, value, unit, "published", note)
 
 
-GPUS_PER_NODE = _term("gpus_per_node", 8, "GPU", f"H800 nodes of 8 GPUs; {DAY6}")
+GPUS_PER_NODE = _term("gpus_per_node", _DAY6.gpus_per_node, "GPU", f"H800 nodes of 8 GPUs; {DAY6}")
 GPU_HOUR_USD = _term(
-    "gpu_hour_usd", 2.0, "USD/GPU-hour", f"DeepSeek's assumed H800 rental price; {DAY6}"
+    "gpu_hour_usd",
+    _DAY6.gpu_hour_usd,
+    "USD/GPU-hour",
+    f"DeepSeek's assumed H800 rental price; {DAY6}",
 )
 CACHE_HIT_SHARE = _term(
     "cache_hit_share", 0.563, "1", f"342 B of 608 B input tokens hit the on-disk KV cache; {DAY6}"
@@ -30,9 +38,14 @@ CACHE_HIT_SHARE = _term(
 
 # DeepSeek's production day: averages over 24 h of varying load, not saturation figures.
 DAY6_PREFILL_PER_NODE = _term(
-    "day6_prefill_per_node", 73_700, "tok/s/node", f"input tokens incl. cache hits; {DAY6}"
+    "day6_prefill_per_node",
+    _DAY6.prefill_tokens_per_s_per_node,
+    "tok/s/node",
+    f"input tokens incl. cache hits; {DAY6}",
 )
-DAY6_DECODE_PER_NODE = _term("day6_decode_per_node", 14_800, "tok/s/node", f"output; {DAY6}")
+DAY6_DECODE_PER_NODE = _term(
+    "day6_decode_per_node", _DAY6.decode_tokens_per_s_per_node, "tok/s/node", f"output; {DAY6}"
+)
 DAY6_MEAN_KV_LENGTH = _term(
     "day6_mean_kv_length", 4_989, "tok", f"mean KV length per output token; {DAY6}"
 )
