@@ -419,6 +419,7 @@ def test_instances_balance_their_experts_while_serving(reference, serving, tmp_p
         eplb_interval=3,
         expert_placement=str(placement),
         max_num_batched_tokens=24,  # prompts in chunks: prefill steps enough to rebalance
+        health_interval_s=1.0,  # five processes on CI's two cores answer checks slowly
     )
     running = Deployment(config, startup_timeout=300)
     try:
