@@ -7,10 +7,12 @@
 Random weights from the preset (`--layers` keeps the first N layers, to fit a smaller device;
 the default on CPU is `tiny`); `--weight-dtype fp8` keeps the projections DeepSeek stores in
 FP8 as e4m3 with 128 x 128 block scales (`from_args(weight_dtype="fp8")`). For each batch
-size: one cached prefill step of `--prompt` tokens per sequence, then `--steps` decode steps of
-one random token per sequence (absorbed MLA through mla_kernels), eagerly and replayed from CUDA
-graphs (`DecodeGraphs`, on CUDA), each timed as the median of its repetitions (after two
-untimed calls) with the device synchronized. The ratio is of the graphs' figure.
+size: one cached prefill step of `--prompt` tokens per sequence, eagerly and (on CUDA, up to
+`--prefill-graph-tokens` tokens a step) replayed piecewise from CUDA graphs (`PrefillGraphs`),
+then `--steps` decode steps of one random token per sequence (absorbed MLA through
+mla_kernels), eagerly and replayed from CUDA graphs (`DecodeGraphs`, on CUDA), each timed as
+the median of its repetitions (after two untimed calls) with the device synchronized. The
+ratios are of the graphs' figures where there are graphs.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
@@ -24,9 +26,10 @@ activations' dtype's (bf16 on CUDA) with FP8 weights too: attention and the head
 so a step has no single FP8 rate; an FP8 run also measures torch._scaled_mm (e4m3, per-tensor
 scales, 8192^3) and prints it beside, for the headroom of the projections alone.
 
-`--profile`: at the first batch size, each step's kernels from torch.profiler (on the CPU, its
-ops by self time): the total, the count, and the 20 that took the longest, with the whole
-table in the JSON under `profile`. The decode step is a replay of its CUDA graph, or, where
+`--profile`: at the first batch size, each step under torch.profiler: its wall time, its kernels
+(CUDA) and its host ops by self time, each as the total, the count and the 20 that took the
+longest, with the whole tables in the JSON under `profile`; kernels far below the wall time
+mean the host bounds the step. The decode step is a replay of its CUDA graph, or, where
 the profiler sees no kernels in a replay, the eager step (the output says which).
 `--trace PATH` (implies `--profile`) also writes each step's Chrome trace, PATH with
 `-prefill` and `-decode` before its suffix.
@@ -146,50 +149,64 @@ def reached_experts(model, step) -> list[int]:
 
 
 def profile_step(fn, device: torch.device, source: str, trace: str | None = None) -> dict:
-    """One call of fn under torch.profiler. On CUDA: every kernel (and copy) it ran on the GPU,
-    by name, with its count and total time; on the CPU, which has no kernels: every op by its
-    self time. Sorted by time, with each one's share; source: what fn runs, for the reader."""
+    """One call of fn under torch.profiler: its wall time, the host's ops by self time and, on
+    CUDA, every kernel (and copy) it ran on the GPU by name; each table sorted by time, with
+    counts and shares. A step whose kernels add up to much less than its wall time is bound by
+    the host. source: what fn runs, for the reader."""
     gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
     sync(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         fn()
         sync(device)
+        wall_s = time.perf_counter() - start
     if trace:
         prof.export_chrome_trace(trace)
-    totals: dict[str, list] = {}
+    kernels: dict[str, list] = {}
+    host: dict[str, list] = {}
     for event in prof.events():
-        if gpu and (event.device_type != DeviceType.CUDA or event.is_user_annotation):
+        if event.is_user_annotation:
             continue
+        on_gpu = event.device_type == DeviceType.CUDA
+        totals, us = (
+            (kernels, event.device_time_total) if on_gpu else (host, event.self_cpu_time_total)
+        )
         entry = totals.setdefault(event.name, [0, 0.0])
         entry[0] += 1
-        entry[1] += event.device_time_total if gpu else event.self_cpu_time_total
+        entry[1] += us
+    found = dict(source=source, wall_ms=wall_s * 1e3, host=_time_table(host))
+    if gpu:
+        found["kernels"] = _time_table(kernels)
+    return found
+
+
+def _time_table(totals: dict[str, list]) -> dict:
     total_us = sum(us for _, us in totals.values())
     table = [
         dict(name=name, count=count, total_ms=us / 1e3, share=us / total_us if total_us else 0.0)
         for name, (count, us) in sorted(totals.items(), key=lambda item: -item[1][1])
     ]
-    return dict(
-        source=source,
-        what="kernels" if gpu else "CPU ops",
-        total_ms=total_us / 1e3,
-        count=sum(count for count, _ in totals.values()),
-        table=table,
-    )
+    count = sum(count for count, _ in totals.values())
+    return dict(total_ms=total_us / 1e3, count=count, table=table)
 
 
 def print_profile(step: str, batch: int, found: dict, top: int = 20) -> None:
-    what = found["what"]
-    print(
-        f"\n{step} step, batch {batch} ({found['source']}): {found['total_ms']:.3f} ms in "
-        f"{found['count']} {what}; the {min(top, len(found['table']))} longest:"
-    )
-    print(f"{'share':>6} | {'ms':>9} | {'count':>5} | {what}")
-    for row in found["table"][:top]:
+    print(f"\n{step} step, batch {batch} ({found['source']}): {found['wall_ms']:.3f} ms wall")
+    for what, title in (("kernels", "kernels"), ("host", "host ops (self time)")):
+        if what not in found:
+            continue
+        part = found[what]
         print(
-            f"{row['share']:6.1%} | {row['total_ms']:9.3f} | {row['count']:5d} | "
-            f"{row['name'][:120]}"
+            f"{part['total_ms']:.3f} ms in {part['count']} {title}; the "
+            f"{min(top, len(part['table']))} longest:"
         )
+        print(f"{'share':>6} | {'ms':>9} | {'count':>5} | name")
+        for row in part["table"][:top]:
+            print(
+                f"{row['share']:6.1%} | {row['total_ms']:9.3f} | {row['count']:5d} | "
+                f"{row['name'][:120]}"
+            )
 
 
 def trace_path(trace: str | None, step: str) -> str | None:
@@ -199,8 +216,11 @@ def trace_path(trace: str | None, step: str) -> str | None:
     return str(path.with_name(f"{path.stem}-{step}{path.suffix}"))
 
 
-def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling=False, trace=None):
-    """Seconds of a prefill step and of a decode step, eager and (on CUDA) from CUDA graphs,
+def run(
+    model, batch, prompt, steps, device, reps, graph_tokens, profiling=False, trace=None
+):  # fmt: skip
+    """Seconds of a prefill step (eager, and on CUDA from `PrefillGraphs` up to graph_tokens
+    tokens) and of a decode step, eager and (on CUDA) from CUDA graphs,
     the context after the timed decode steps, with `profiling` each step's `profile_step`
     (trace: `--trace`), and the experts each MoE layer's tokens chose in each kind of step
     (one eager step of the same inputs: prefill; of random tokens like the timed ones: decode)."""
@@ -212,6 +232,12 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling
     ids = torch.randint(2, args.vocab_size, (batch * prompt,), device=device)
     prefill = StepBatch(ids, [prompt] * batch, [prompt] * batch, table)
     prefill_s = median_seconds(lambda: model.forward_step(prefill, cache), device, reps)
+    prefill_graphs_s = None
+    if device.type == "cuda" and batch * prompt <= graph_tokens:
+        prefill_graphs = M.PrefillGraphs(model, cache, sizes=[batch * prompt])
+        prefill_graphs_s = median_seconds(lambda: prefill_graphs(prefill), device, reps)
+        del prefill_graphs
+        torch.cuda.empty_cache()  # the graphs' pool, before the decode steps
     reached = dict(prefill=reached_experts(model, lambda: model.forward_step(prefill, cache)))
     profiles = {}
     if profiling:
@@ -244,7 +270,7 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling
             decode(graphs)  # fills the graph's inputs: the profile sees the replay alone
             graph = graphs.graphs[graphs.bucket(batch)]
             found = profile_step(graph.replay, device, "CUDA-graph replay", decode_trace)
-            if found["count"]:
+            if found["kernels"]["count"]:
                 profiles["decode"] = found
         del graphs
     if profiling and "decode" not in profiles:
@@ -252,7 +278,7 @@ def run(model, batch: int, prompt: int, steps: int, device, reps: int, profiling
         if device.type == "cuda":
             source += ": the profiler saw no kernels in a CUDA-graph replay"
         profiles["decode"] = profile_step(lambda: decode(eager), device, source, decode_trace)
-    return prefill_s, eager_s, graphs_s, context, profiles, reached
+    return (prefill_s, prefill_graphs_s), eager_s, graphs_s, context, profiles, reached
 
 
 def main() -> None:
@@ -265,6 +291,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=16384,
+        help="time prefill steps of up to this many tokens from PrefillGraphs too (CUDA)",
+    )
     parser.add_argument("--profile", action="store_true", help="kernels of the first batch's steps")
     parser.add_argument("--trace", help="Chrome traces of the profiled steps (implies --profile)")
     parser.add_argument("--json")
@@ -302,25 +334,27 @@ def main() -> None:
             f"stay {dtype}); an FP8 matmul (_scaled_mm, per-tensor scales): {measured}"
         )
     print(
-        "batch | prefill tok/s | roofline | ratio | decode tok/s: graphs | eager | roofline "
-        "| ratio | experts chosen a layer: prefill / decode"
+        "batch | prefill tok/s: graphs | eager | roofline | ratio | decode tok/s: graphs | eager "
+        "| roofline | ratio | experts chosen a layer: prefill / decode"
     )
     rows = []
     profiled = None
     for i, batch in enumerate(map(int, options.batches.split(","))):
-        prefill_s, eager_s, graphs_s, context, profiles, reached = run(
+        (prefill_eager_s, prefill_graphs_s), eager_s, graphs_s, context, profiles, reached = run(
             model,
             batch,
             options.prompt,
             options.steps,
             device,
             options.reps,
+            options.prefill_graph_tokens,
             profiling=profiling and i == 0,
             trace=options.trace,
         )
         if profiles:
             profiled = dict(batch=batch, **profiles)
         decode_s = graphs_s or eager_s
+        prefill_s = prefill_graphs_s or prefill_eager_s
         bounds = []
         for new, ctx, seconds, step in (
             (options.prompt, options.prompt, prefill_s, "prefill"),
@@ -333,10 +367,12 @@ def main() -> None:
             bounds.append((batch * new / seconds, batch * new / bound))
         (prefill, prefill_bound), (decode, decode_bound) = bounds
         eager = batch / eager_s
+        prefill_eager = batch * options.prompt / prefill_eager_s
         rows.append(
             dict(
                 batch=batch,
                 prefill_tok_s=prefill,
+                prefill_eager_tok_s=prefill_eager,
                 prefill_roofline=prefill_bound,
                 decode_tok_s=decode,
                 decode_eager_tok_s=eager,
@@ -346,9 +382,11 @@ def main() -> None:
             )
         )
         graphs = f"{decode:20.1f}" if graphs_s else f"{'-':>20}"
+        prefill_graphs = f"{prefill:22.0f}" if prefill_graphs_s else f"{'-':>22}"
         mean = {step: sum(r) / len(r) for step, r in reached.items()}
         print(
-            f"{batch:5d} | {prefill:13.0f} | {prefill_bound:8.0f} | {prefill / prefill_bound:5.2f} "
+            f"{batch:5d} | {prefill_graphs} | {prefill_eager:5.0f} | {prefill_bound:8.0f} | "
+            f"{prefill / prefill_bound:5.2f} "
             f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f} "
             f"| {mean['prefill']:5.1f} / {mean['decode']:5.1f}"
         )

@@ -4,6 +4,7 @@ them through CUDA IPC."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import time
@@ -18,6 +19,7 @@ from ref_server.engine import Engine, SchedulerConfig
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
 from ref_server.services.kv_transfer import CUDA_IPC, KvPuller, TransferError
 from ref_server.services.security import SECRET_ENV, internal_channel
+from ref_server.services.servers import scheduler_config
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
@@ -34,15 +36,21 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
     deployment = Deployment(config, startup_timeout=400)
     try:
         client = Client(deployment.address)
-        reference = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
+        # one process running the instances' engine: prefill from the same graph buckets
+        # (padded to 256 tokens, a prompt may round unlike `generate`'s eager step of its own
+        # length), decode at batch 1
+        model = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
+        one = dataclasses.replace(scheduler_config(config), num_blocks=64, max_num_seqs=1)
+        reference = Engine(model, one, prefill_graph_tokens=config.prefill_graph_tokens)
+        assert reference.runner.prefill_graphs.buckets[0] == 256
         g = torch.Generator().manual_seed(SEED)
-        # one request at a time: prefill and decode run at batch 1 as `generate` does, so the
-        # greedy tokens agree exactly (pages of 64: the prompts end inside, at and past a page)
+        # one request at a time, so the greedy tokens agree exactly (pages of 64: the prompts
+        # end inside, at and past a page)
         for length, max_tokens in ((5, 12), (64, 8), (300, 16)):
             prompt = torch.randint(2, 100_000, (length,), generator=g).tolist()
             want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
             assert client.generate(prompt, max_tokens=max_tokens, timeout=120).token_ids == want
-        del reference
+        del reference, model
         requests = [  # sampled, of many lengths: decode batches of many sizes
             dict(prompt=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
             for i in range(48)

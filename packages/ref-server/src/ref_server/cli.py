@@ -34,7 +34,7 @@ SETTING_GROUPS = {
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "two_batch", "two_batch_decode_tokens",
-        "two_batch_prefill_tokens",
+        "two_batch_prefill_tokens", "prefill_graph_tokens",
     ),
     "router": (
         "prefill", "decode", "max_inflight", "max_request_bytes", "request_timeout_s",

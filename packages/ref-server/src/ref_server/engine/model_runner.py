@@ -2,7 +2,8 @@
 
 `run(step)` prepares the step's `StepBatch` and runs it as one batch or, with two-batch overlap,
 as two microbatches whose expert-parallel exchanges overlap each other's compute
-(overlap_sched), or replays a decode step from CUDA graphs. The ranks of an expert-parallel
+(overlap_sched), or replays it from CUDA graphs (a decode step whole, a prefill step of one
+rank piecewise around its attention). The ranks of an expert-parallel
 instance must run the same kind of step at the same time: each step they agree on a `StepPlan`
 (`plan`, one all_gather), and a rank without sequences (`idle`) takes its share of it. A decode
 step's exchanges go through ep_comm's low-latency mode, which graphs can capture; prefill's
@@ -24,6 +25,7 @@ from ref_server.engine.expert_balancer import EplbConfig, ExpertBalancer
 from ref_server.engine.scheduler import SchedulerConfig, Step
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
+from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import sample
 from ref_server.model.step import StepBatch
 
@@ -50,11 +52,14 @@ class ModelRunner:
         two_batch: str = "auto",
         thresholds: Thresholds | None = None,
         eplb: EplbConfig | None = None,
+        prefill_graph_tokens: int = 8192,
     ) -> None:
         """two_batch: "auto" (two microbatches for expert-parallel models, whose exchanges
         they overlap), "on" or "off"; thresholds: the tokens per rank below which a step runs
         one batch (default `Thresholds()`: 64 decode, 512 prefill); eplb: balance the experts
-        of a model built with expert slots (`ExpertBalancer`)."""
+        of a model built with expert slots (`ExpertBalancer`); prefill_graph_tokens: the most
+        new tokens of a one-batch prefill step replayed from `PrefillGraphs` (CUDA, one rank;
+        at most max_num_batched_tokens; 0: none)."""
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
@@ -72,6 +77,10 @@ class ModelRunner:
                 config.max_num_seqs, model.args.num_experts_per_tok
             )
         self.decode_graphs = self._capture_decode_graphs()
+        self.prefill_graphs = None
+        tokens = min(prefill_graph_tokens, config.max_num_batched_tokens)
+        if self.device.type == "cuda" and not self.expert_parallel and tokens > 0:
+            self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
@@ -110,6 +119,8 @@ class ModelRunner:
         plan = self.plan(batch)
         if plan.bucket:
             logits = self.decode_graphs(batch, plan.bucket)
+        elif self._prefill_graphs_take(batch, plan):
+            logits = self.prefill_graphs(batch)
         else:
             split = self._split(batch) if plan.two_batch else None
             logits = self.model.forward_step(batch, self.cache, split, plan.low_latency)
@@ -132,6 +143,11 @@ class ModelRunner:
             self.model.idle_step(self.cache, schedule, low_latency=plan.low_latency)
         self._check_exchange()
         self._step_done()
+
+    def _prefill_graphs_take(self, batch: StepBatch, plan: StepPlan) -> bool:
+        graphs = self.prefill_graphs
+        fits = graphs is not None and batch.num_tokens <= graphs.max_tokens
+        return fits and not (batch.is_decode or plan.two_batch)
 
     def _step_done(self) -> None:
         """After a step every rank ran and no exchange failed."""

@@ -23,6 +23,7 @@ from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
 from ref_server.model.fp8 import use_fp8
 from ref_server.model.generate import generate
+from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import SamplingParams
 from ref_server.model.step import StepBatch
 from ref_server.model.tokenizer import load_tokenizer
@@ -157,6 +158,7 @@ __all__ = [
     "Model",
     "ModelArgs",
     "PagedKVCache",
+    "PrefillGraphs",
     "SamplingParams",
     "StepBatch",
     "from_preset",

@@ -107,6 +107,8 @@ class Attention(nn.Module):
             out = self._absorbed_decode(q, kv, step)
         else:
             out = self._prefill_from_cache(q, kv, step)
+            if out.shape[0] > step.num_tokens:  # a prefill graph's padding rows (`PrefillGraphs`)
+                out[step.num_tokens :] = 0  # attend to nothing: zero, not what memory held
         state.attn_out = self.o_proj(out.to(self.dtype))
 
     def _prefill_from_cache(self, q, cache, step):

@@ -216,19 +216,18 @@ class MoE(nn.Module):
         state.router_logits = self.gate.logits(state.mlp_in)
 
     def op_select_experts(self, state) -> None:
+        """Each choice to one replica of its expert when the layer balances its experts,
+        counted here or where the low-latency dispatch receives it. A CUDA graph's padding
+        rows (`StepMetadata.real_rows`) go nowhere (-1): no expert computes them."""
         weights, ids = self.gate.select(state.pop("router_logits"))
-        state.topk_weights = weights
-        state.topk_ids = ids if self.location is None else self._to_slots(ids, state)
-
-    def _to_slots(self, ids: torch.Tensor, state) -> torch.Tensor:
-        """Each choice to one replica of its expert, counted: here, or where the low-latency
-        dispatch receives it. A CUDA graph's padding rows go nowhere (-1)."""
-        slots = self.location.to_physical(ids)
         step = state.step if "step" in state else None  # MoE.forward runs without one
         real = None if step is None else step.real_rows
-        if "low_latency" not in state:
-            self.location.count(slots, real)
-        return slots if real is None else slots.masked_fill(~real[:, None], -1)
+        if self.location is not None:
+            ids = self.location.to_physical(ids)
+            if "low_latency" not in state:
+                self.location.count(ids, real)
+        state.topk_weights = weights
+        state.topk_ids = ids if real is None else ids.masked_fill(~real[:, None], -1)
 
     def op_dispatch_a(self, state):
         x, weights, ids = state.mlp_in, state.pop("topk_weights"), state.pop("topk_ids")

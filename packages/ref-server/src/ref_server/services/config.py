@@ -65,6 +65,11 @@ class ServeConfig:
     two_batch_prefill_tokens: int = _setting(
         512, "prefill tokens per rank below which one batch runs"
     )
+    prefill_graph_tokens: int = _setting(
+        4096,
+        "the most new tokens of a prefill step replayed piecewise from CUDA graphs (CUDA, one "
+        "rank; capped by --max-num-batched-tokens); 0: prefill runs eagerly",
+    )
     redundant_experts: int = _setting(
         0,
         "expert slots per MoE layer beyond the routed experts, for replicas of hot ones "
@@ -160,6 +165,8 @@ class ServeConfig:
                 problems.append(
                     f"{name} must be >= 2 (two microbatches), got {getattr(self, name)}"
                 )
+        if self.prefill_graph_tokens < 0:
+            problems.append(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("port", "http_port"):

@@ -356,5 +356,6 @@ def serve(config: ServeConfig) -> None:
         two_batch=config.two_batch,
         thresholds=thresholds,
         eplb=eplb(config),
+        prefill_graph_tokens=config.prefill_graph_tokens,
     )
     asyncio.run(run_instance(config, secret, engine, group))
