@@ -109,6 +109,23 @@ Give one schedule; a comma-separated list runs each value in turn (a sweep):
   --concurrency C  steady state: C requests in flight at all times
   --fill N         saturation: N requests at once; output tok/s is measured over the window in
                    which all N decode (from the last one's second token to the first one's end)"""
+REPRO_DESCRIPTION = """\
+Measure DeepSeek-V3-shaped slices on this machine's device and project them to DeepSeek's
+day-6 deployment: one dense and one MoE layer as one GPU of each layout runs them (prefill
+EP32: 9 expert slots, 16,384 tokens in 2 microbatches of 4K prompts; decode EP144: 2 slots,
+128 requests in 2 microbatches at 4K cached tokens), each part of a layer timed; dispatch and
+combine from DeepEP's published H800 + InfiniBand figures, scaled to the layout's bytes;
+balancedness from EPLB over synthetic loads. Prints per-node tokens/s with no overlap and with
+ideal two-batch overlap (an upper bound), next to DeepSeek's and SGLang's figures, and the
+margin at DeepSeek's prices and rent. Every number says whether it is measured, published,
+assumed or derived; a CPU run says on every line that it is not a GPU figure."""
+REPRO_EPILOG = """\
+examples:
+  ref-server repro                      # on a GPU: the v3 slice in FP8
+  ref-server repro --zipf 0 --json      # perfectly even routing, as DeepSeek's profile data
+  ref-server repro --device cpu         # the tiny slice: checks the pipeline, not a figure
+
+See docs/reproduction.md for the method and its caveats."""
 BENCH_EPILOG = """\
 examples:
   ref-server bench --concurrency 1,8,64 --prompt-tokens 512 --output-tokens 128
@@ -228,7 +245,49 @@ def _parser() -> argparse.ArgumentParser:
     )
     _bench_flags(bench)
     bench.set_defaults(run=_bench, parser=bench)
+
+    repro = commands.add_parser(
+        "repro",
+        help="how much of DeepSeek's day-6 throughput and margin our parts reach (V3 slices)",
+        description=REPRO_DESCRIPTION,
+        epilog=REPRO_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    _repro_flags(repro)
+    repro.set_defaults(run=_repro, parser=repro)
     return parser
+
+
+def _repro_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--slice",
+        choices=("v3", "tiny"),
+        help="v3: DeepSeek-V3's layers at its layouts (a GPU); tiny: V3-shaped with tiny widths "
+        "and fewer tokens (a CPU) (default: v3 on CUDA, tiny on the CPU)",
+    )
+    parser.add_argument(
+        "--weight-dtype",
+        choices=("bf16", "fp8"),
+        help="the slices' weights (default: fp8 on CUDA, as DeepSeek serves V3; on the CPU "
+        "dense float32)",
+    )
+    parser.add_argument(
+        "--reps", type=_positive, default=5, metavar="N", help="timed steps a phase (default: 5)"
+    )
+    parser.add_argument(
+        "--zipf",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="expert popularity for EPLB's balancedness, Zipf(S) over the experts; 0: perfectly "
+        "even routing, as DeepSeek's profile data (default: 1.0)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights, tokens, loads (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--plot", metavar="PNG", help="bars of ours beside the published figures")
 
 
 def _bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -511,6 +570,40 @@ def _bench(args: argparse.Namespace) -> int:
         from ref_server.bench.plot import draw
 
         draw(document, args.plot)
+    return 0
+
+
+def _repro(args: argparse.Namespace) -> int:
+    if args.plot:
+        from ref_server.bench.plot import require_matplotlib
+
+        require_matplotlib()  # before the measurement, not after it
+    import torch
+
+    from ref_server.repro.run import draw, reproduce
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch has no CUDA device")
+    on_gpu = device != "cpu"
+    slice_name = args.slice or ("v3" if on_gpu else "tiny")
+    weight_dtype = args.weight_dtype or ("fp8" if on_gpu else "bf16")
+    reproduction = reproduce(
+        slice_name,
+        device,
+        None if weight_dtype == "bf16" else weight_dtype,
+        args.reps,
+        args.zipf,
+        args.seed,
+    )
+    if args.json:
+        print(json.dumps(reproduction.to_json(), indent=2))
+    else:
+        print(reproduction.to_text())
+    if args.plot:
+        draw(reproduction, args.plot)
     return 0
 
 

@@ -50,6 +50,7 @@ def _build(
     weight_dtype: str | None,
     num_physical_experts: int | None = None,
     expert_placement=None,
+    exchange=None,
 ) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r}: expected None (dtype) or 'fp8'")
@@ -68,8 +69,8 @@ def _build(
                 f"{num_physical_experts} physical experts asked for"
             )
     slots = num_physical_experts or args.n_routed_experts
-    expert_parallel = None
-    if group is not None and group.size() > 1:
+    expert_parallel = exchange
+    if exchange is None and group is not None and group.size() > 1:
         from ref_server.model.expert_parallel import ExpertParallel
 
         expert_parallel = ExpertParallel(group, slots, args.hidden_size)
@@ -97,12 +98,17 @@ def from_args(
     weight_dtype: str | None = None,
     num_physical_experts: int | None = None,
     expert_placement=None,
+    exchange=None,
 ) -> Model:
     """A model of these hyper-parameters with random weights drawn from `seed`, in `dtype`
     (activations, and weights unless weight_dtype is "fp8": then the projections are FP8,
     the same random weights quantized in 128 x 128 blocks). Expert slots as `from_pretrained`;
-    replicas of an expert get its weights."""
-    model = _build(args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement)
+    replicas of an expert get its weights. exchange: what the MoE layers exchange rows through
+    instead of an `ExpertParallel` over group: a stand-in with its interface, such as
+    `ref_server.repro.slices.LayoutExchange` (one rank of a layout, without its peers)."""
+    model = _build(
+        args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement, exchange
+    )
     init_random(model, seed)
     model.tokenizer = load_tokenizer(model.args)
     return model

@@ -1,8 +1,9 @@
 """The day-6 projection: from one GPU's measured per-layer times to tokens per second per node,
 set beside DeepSeek's and SGLang's figures and priced with DeepSeek's cost model.
 
-Pure arithmetic (no torch): the GPU measurement that feeds it lives elsewhere. Every number is
-a `Term` labelled measured, published, assumed or derived. See docs/reproduction.md.
+Pure arithmetic (no torch); the measurement that feeds it is `ref_server.repro.slices` (torch,
+not imported here) and `ref-server repro` runs both (`ref_server.repro.run`). Every number is a
+`Term` labelled measured, published, assumed or derived. See docs/reproduction.md.
 
     point = shapes.PREFILL_EP32
     phase = PhaseProjection(point, Device("cuda", "NVIDIA H200"), times, communication,

@@ -1,0 +1,240 @@
+"""DeepSeek-V3-shaped slices on the device at hand: one GPU's per-part times (`LayerTimes`) at a
+phase's layout, through the model's own op list, timed by overlap_sched's `Recorder`.
+
+A slice is one dense and one MoE layer of DeepSeek-V3 (`--slice v3`) or of a V3-shaped model
+small enough for a CPU (`--slice tiny`: V3's routing, 256 experts top-8, tiny widths), built
+as rank 0 of the layout: its MoE layer holds the expert slots one GPU holds (prefill EP32: 9 of
+288; decode EP144: 2). `LayoutExchange` stands in for the other ranks: its dispatch hands the
+experts the rows perfectly even routing sends one GPU (`per_rank_work`, copies of the
+microbatch's own tokens, each slot the same count), its combine hands one row a token back.
+Nothing crosses a wire, so dispatch and combine cost nothing here; the projection takes their
+times from `communication`. Prefill runs the normal mode's ops on prompts of the layout's
+length; decode runs the low-latency mode's (FP8 rows with FP8 experts) over a cache of that
+many tokens a request.
+
+Each op's time is CUDA events around it on the compute stream (the host's clock on the CPU),
+over eager steps: where the host is slower than the kernels (small decode microbatches) the
+events measure the host, so those parts are upper bounds. The median of `reps` steps, after
+two untimed ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import ref_server.model as M
+from overlap_sched import Recorder
+from ref_server.model import StepBatch
+from ref_server.model.expert_parallel import Dispatched, Packed
+from ref_server.model.fp8 import quantize_activations
+from ref_server.model.sampling import SamplingParams, sample
+from ref_server.repro.projection import LayerTimes
+from ref_server.repro.schedule import OPS_OF_ITEM
+from ref_server.repro.shapes import OperatingPoint, V3Dims, per_rank_work
+from ref_server.repro.terms import Device
+
+PROMPT = 4096  # profile-data's prompts (and decode's KV length): 4K
+# The tiny preset's widths with V3's routing: 256 experts, top-8 from 4 of 8 groups.
+TINY = dataclasses.replace(
+    M.PRESETS["tiny"], n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4
+)
+SLICES = {"v3": M.PRESETS["v3"], "tiny": TINY}
+
+
+def slice_args(name: str) -> M.ModelArgs:
+    """One dense and one MoE layer of the named slice's model."""
+    if name not in SLICES:
+        raise ValueError(f"unknown slice {name!r}; slices: {', '.join(SLICES)}")
+    return dataclasses.replace(SLICES[name], num_hidden_layers=2, first_k_dense_replace=1)
+
+
+def dims_of(args: M.ModelArgs) -> V3Dims:
+    """The projection's dimensions of a model, its full depth as V3 (61 layers, 3 dense)."""
+    return V3Dims(
+        hidden_size=args.hidden_size,
+        n_routed_experts=args.n_routed_experts,
+        n_shared_experts=args.n_shared_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+    )
+
+
+class LayoutExchange:
+    """Rank 0 of `point`'s layout without the other ranks: what the model's MoE layer asks of
+    `ExpertParallel` (see module docstring)."""
+
+    capturable = False
+    low_latency = True
+
+    def __init__(self, point: OperatingPoint, args: M.ModelArgs) -> None:
+        work = per_rank_work(dims_of(args), point)
+        self.rank_and_size = (0, point.gpus)
+        self.local = work.local_experts
+        # rows each slot receives per microbatch
+        self.rows_per_slot = round(work.rows_per_physical_expert / point.microbatches)
+        self.k = args.num_experts_per_tok
+
+    def low_latency_fits(self, num_tokens: int) -> bool:
+        return True
+
+    def _received(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for the slots in turn (slot i mod local), copies of x's tokens in turn."""
+        rows = self.rows_per_slot * self.local
+        index = torch.arange(rows, device=x.device)
+        return x[index % x.shape[0]], index % self.local
+
+    def dispatch(self, x, ids, weights, num_worst_tokens=0):
+        received, slots = self._received(x)
+        local_ids = torch.full((len(slots), self.k), -1, dtype=torch.long, device=x.device)
+        local_ids[:, 0] = slots
+        local_weights = torch.zeros(local_ids.shape, dtype=torch.float32, device=x.device)
+        local_weights[:, 0] = 1.0
+        return Dispatched(received, local_ids, local_weights, x.shape[0]), None
+
+    def combine(self, partial, handle):
+        return partial[torch.arange(handle, device=partial.device) % partial.shape[0]], None
+
+    def low_latency_dispatch(self, x, ids, weights, use_fp8=False, recv_stats=None):
+        received, slots = self._received(x)
+        blocks = received[slots.argsort(stable=True)].view(self.local, self.rows_per_slot, -1)
+        count = torch.full((self.local,), self.rows_per_slot, dtype=torch.int32, device=x.device)
+        packed_x = quantize_activations(blocks) if use_fp8 else blocks
+        return Packed(packed_x, count, x.shape[0], ids, weights), _nothing
+
+    def low_latency_combine(self, out, ids, weights, handle):
+        flat = out.flatten(0, 1)
+        return flat[torch.arange(handle, device=out.device) % flat.shape[0]], _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Slice:
+    """A slice model and cache for one phase's layout on `device`."""
+
+    point: OperatingPoint
+    args: M.ModelArgs
+    model: object
+    cache: M.PagedKVCache
+    batch: StepBatch
+
+    @classmethod
+    def build(cls, point, args, device, weight_dtype=None, prompt: int = PROMPT, seed: int = 0):
+        """Rank 0 of `point`: for prefill, a microbatch of prompts of `prompt` tokens (the
+        microbatch's tokens, at most one partial prompt); for decode, a microbatch of requests
+        each with `prompt` tokens cached."""
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        exchange = LayoutExchange(point, args)
+        model = M.from_args(
+            args,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+            weight_dtype=weight_dtype,
+            num_physical_experts=point.physical_experts,
+            exchange=exchange,
+        )
+        tokens = point.tokens_per_gpu // point.microbatches
+        page = 64
+        if point.phase == "prefill":
+            lens = [prompt] * (tokens // prompt) + ([tokens % prompt] if tokens % prompt else [])
+            queries, contexts = lens, lens
+        else:
+            queries, contexts = [1] * tokens, [prompt + 1] * tokens
+        pages = [-(-c // page) for c in contexts]
+        cache = M.PagedKVCache(args, sum(pages), page, torch.bfloat16, device)
+        table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+        first = 0
+        for row, count in enumerate(pages):
+            table[row, :count] = torch.arange(first, first + count)
+            first += count
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(2, args.vocab_size, (sum(queries),), generator=g).to(device)
+        return cls(point, args, model, cache, StepBatch(ids, queries, contexts, table))
+
+
+def measure(
+    point: OperatingPoint,
+    slice_name: str,
+    device: str,
+    weight_dtype: str | None = None,
+    reps: int = 5,
+    prompt: int = PROMPT,
+) -> tuple[LayerTimes, Device]:
+    """One microbatch's per-part times of `point` on `device` (see module docstring)."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    args = slice_args(slice_name)
+    where = torch.device(device)
+    part = Slice.build(point, args, where, weight_dtype, prompt)
+    model, batch = part.model, part.batch
+    schedule = point.phase
+    inputs = [(batch.input_ids, batch.metadata(part.cache, args.num_attention_heads))]
+    params = [SamplingParams(temperature=0.8, seed=0)] * len(batch.query_lens)
+    steps = []
+    with torch.no_grad():
+        for rep in range(reps + 2):
+            recorder = Recorder(cuda=where.type == "cuda")
+            logits = model.run_step(
+                inputs, part.cache, schedule, recorder=recorder, low_latency=point.phase == "decode"
+            )
+            seconds = _op_seconds(recorder)
+            seconds["sampling"] = _timed(where, sample, logits, params, batch.context_lens)
+            if rep >= 2:
+                steps.append(seconds)
+    medians = {name: statistics.median(step[name] for step in steps) for name in steps[0]}
+    gpu = torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
+    run = (
+        f"{slice_name} slice (hidden {args.hidden_size}), rank 0 of {point.phase} "
+        f"EP{point.gpus}, {point.tokens_per_gpu // point.microbatches} tokens a microbatch, "
+        f"{weight_dtype or ('bf16' if where.type == 'cuda' else 'float32')} weights, "
+        f"median of {reps} eager steps on {gpu}"
+    )
+    return LayerTimes.measured(run, **_items(medians)), Device(where.type, gpu)
+
+
+def _op_seconds(recorder: Recorder) -> dict[str, float]:
+    """Seconds of each op by name ("L1.attn.core", "head", ...), summed over its calls."""
+    seconds: dict[str, float] = {}
+    for event in recorder.events():
+        if event["cat"] == "op":
+            seconds[event["name"]] = seconds.get(event["name"], 0.0) + event["dur"] / 1e6
+    return seconds
+
+
+def _timed(device: torch.device, fn, *args) -> float:
+    """Seconds of fn(*args) on device (CUDA events there)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - begin
+
+
+def _items(seconds: dict[str, float]) -> dict[str, float]:
+    """The projection's parts from op times: layer 0 is the dense layer, layer 1 the MoE
+    layer's items (`OPS_OF_ITEM`); the head and sampling once."""
+    dense = sum(s for name, s in seconds.items() if name.startswith("L0."))
+    moe = {name[3:]: s for name, s in seconds.items() if name.startswith("L1.")}
+    items = {
+        item: sum(moe[op] for op in ops)
+        for item, ops in OPS_OF_ITEM.items()
+        if item in LayerTimes.__dataclass_fields__
+    }
+    return items | {
+        "dense_layer": dense,
+        "head_and_sampling": seconds["head"] + seconds["sampling"],
+    }
