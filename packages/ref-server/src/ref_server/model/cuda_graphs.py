@@ -4,7 +4,7 @@ Run eagerly, a decode step is bound by the host: a V2-Lite step launches about 2
 most of them microseconds long. `DecodeGraphs` captures `Transformer.run_step` once per
 batch-size bucket and replays it. A batch is padded to the next bucket. Its padding rows are
 position 0 of the cache's padding block, so they write only there and read only there, and
-`real_rows` marks them (balanced experts neither count nor receive them).
+`real_rows` marks them (no expert computes or counts them).
 
 Buckets of at least `two_batch_from` sequences are captured as two microbatches of half the
 bucket each, overlapped in the decode schedule. An expert-parallel model is captured when its
