@@ -4,8 +4,10 @@ shared memory or TCP where they do not). gRPC stays the control plane: it is to 
 side's agent metadata once per instance pair and, per request, the leased pages' descriptors.
 
 Issue 20's first part: the deployment does not use it yet (its KV moves through CUDA IPC or a
-gRPC stream, `kv_transfer`). Descriptors cross as `Pages`: the memory kind and packed int64
-rows (address, bytes, device), never as NIXL's pickled lists, which would run a peer's pickle.
+gRPC stream, `kv_transfer`). nixl 1.5.1 cannot share a process with grpc_tools' protoc
+compiler (their bundled C++ libraries abort on load, in either order); grpcio is fine.
+Descriptors cross as `Pages`: the memory kind and packed int64 rows (address, bytes, device),
+never as NIXL's pickled lists, which would run a peer's pickle.
 
     source = NixlCache(prefill_cache)                   # the prefill instance
     pages = source.pages([3, 1, 5])                     # its leased blocks, every layer
@@ -72,6 +74,20 @@ class Pages:
         return rows.astype(np.uint64)
 
 
+def cache_pages(cache: PagedKVCache, blocks: list[int]) -> Pages:
+    """`blocks`' pages in every layer of `cache`, layer by layer, as a peer reads them."""
+    page = cache.layers[0][0]
+    size = page.numel() * page.element_size()
+    if not blocks or any(not 0 <= b < cache.num_blocks for b in blocks):
+        raise ValueError(
+            f"blocks must be a non-empty list in [0, {cache.num_blocks}), got {blocks}"
+        )
+    kind = "VRAM" if cache.device.type == "cuda" else "DRAM"
+    device = (cache.device.index or 0) if kind == "VRAM" else 0
+    rows = [(layer[b].data_ptr(), size, device) for layer in cache.layers for b in blocks]
+    return Pages(kind, np.asarray(rows, dtype="<i8").tobytes())
+
+
 class NixlCache:
     """An instance's paged cache registered with an agent of its own (either side)."""
 
@@ -80,7 +96,6 @@ class NixlCache:
         self.name = name or f"ref-server-{uuid.uuid4().hex}"
         self.agent = _agent(self.name)
         self.kind = "VRAM" if cache.device.type == "cuda" else "DRAM"
-        self.device_id = (cache.device.index or 0) if self.kind == "VRAM" else 0
         self._registration = self.agent.register_memory(cache.layers)
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent's name
 
@@ -90,22 +105,16 @@ class NixlCache:
 
     def pages(self, blocks: list[int]) -> Pages:
         """The descriptors of `blocks` in every layer (the prefill side's leased pages)."""
-        page = self.cache.layers[0][0]
-        size = page.numel() * page.element_size()
-        limit = self.cache.num_blocks
-        if not blocks or any(not 0 <= b < limit for b in blocks):
-            raise ValueError(f"blocks must be a non-empty list in [0, {limit}), got {blocks}")
-        rows = [
-            (layer[block].data_ptr(), size, self.device_id)
-            for layer in self.cache.layers
-            for block in blocks
-        ]
-        return Pages(self.kind, np.asarray(rows, dtype="<i8").tobytes())
+        return cache_pages(self.cache, blocks)
 
     def connect(self, metadata: bytes) -> str:
-        """The peer's agent name, added on first sight only."""
+        """The peer's agent name, added on first sight only; TransferError when this agent
+        cannot reach it."""
         if metadata not in self._peers:
-            self._peers[metadata] = self.agent.add_remote_agent(metadata)
+            try:
+                self._peers[metadata] = self.agent.add_remote_agent(metadata)
+            except Exception as error:  # nixl's bindings raise their own exception types
+                raise TransferError(f"no NIXL connection to the peer: {error}") from None
         return self._peers[metadata]
 
     def read(self, peer: str, pages: Pages, blocks: list[int], timeout: float) -> int:
