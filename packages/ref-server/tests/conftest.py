@@ -254,3 +254,22 @@ def in_triton_interpreter():
         assert child.returncode == 0, child.stdout + child.stderr
 
     return run
+
+
+def _term_rows(data):
+    """Every serialized `ref_server.repro.Term` (a dict with value, unit, source and note) in a
+    JSON document, depth first."""
+    if isinstance(data, dict):
+        if {"value", "unit", "source", "note"} <= data.keys():
+            yield data
+        for value in data.values():
+            yield from _term_rows(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from _term_rows(value)
+
+
+@pytest.fixture
+def term_rows():
+    """`_term_rows`: the serialized terms of a repro JSON document."""
+    return _term_rows

@@ -315,17 +315,6 @@ def test_margin_at_twice_the_throughput_and_a_higher_rent():
 # --- labels and the CPU guard ---
 
 
-def _term_rows(data):
-    if isinstance(data, dict):
-        if {"value", "unit", "source", "note"} <= data.keys():
-            yield data
-        for value in data.values():
-            yield from _term_rows(value)
-    elif isinstance(data, list):
-        for value in data:
-            yield from _term_rows(value)
-
-
 def reproduction(device):
     decode = OperatingPoint("decode", gpus=4, tokens_per_gpu=64, physical_experts=8)
     weights = Term("decode_weights_per_gpu", 40e9, "B", "assumed", "toy weights")
@@ -336,9 +325,9 @@ def reproduction(device):
     )
 
 
-def test_every_serialized_term_is_labelled():
+def test_every_serialized_term_is_labelled(term_rows):
     data = json.loads(json.dumps(reproduction(H200).to_json()))
-    rows = list(_term_rows(data))
+    rows = list(term_rows(data))
     assert len(rows) > 60
     for row in rows:
         assert row["source"] in SOURCES and row["note"] and row["unit"], row
@@ -359,11 +348,11 @@ def test_memory_check_of_the_decode_layout():
     assert memory["hbm_left"].value == pytest.approx(141e9 - 40e9 - 628_374_528)
 
 
-def test_cpu_measurement_is_labelled_everywhere_and_refused_as_gpu_figure():
+def test_cpu_measurement_is_labelled_everywhere_and_refused_as_gpu_figure(term_rows):
     table = reproduction(CPU)
     data = table.to_json()
     assert data["figure"] == CPU_LABEL
-    rows = list(_term_rows(data))
+    rows = list(term_rows(data))
     resting_on_cpu = [r for r in rows if "measured" in r.get("basis", [r["source"]])]
     assert resting_on_cpu and all(r["figure"] == CPU_LABEL for r in resting_on_cpu)
     derived_rows = [r for r in resting_on_cpu if r["source"] == "derived"]

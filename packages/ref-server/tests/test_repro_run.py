@@ -23,18 +23,7 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def term_rows(data):
-    if isinstance(data, dict):
-        if {"value", "unit", "source", "note"} <= data.keys():
-            yield data
-        for value in data.values():
-            yield from term_rows(value)
-    elif isinstance(data, list):
-        for value in data:
-            yield from term_rows(value)
-
-
-def test_repro_on_the_cpu_runs_labels_every_term_and_is_no_gpu_figure(tmp_path, capsys):
+def test_repro_on_the_cpu_runs_labels_every_term_and_is_no_gpu_figure(tmp_path, capsys, term_rows):
     png = tmp_path / "repro.png"
     code, out, err = run_cli(
         ["repro", "--device", "cpu", "--reps", "1", "--json", "--plot", str(png)], capsys

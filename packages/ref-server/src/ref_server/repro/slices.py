@@ -69,9 +69,6 @@ class LayoutExchange:
     """Rank 0 of `point`'s layout without the other ranks: what the model's MoE layer asks of
     `ExpertParallel` (see module docstring)."""
 
-    capturable = False
-    low_latency = True
-
     def __init__(self, point: OperatingPoint, args: M.ModelArgs) -> None:
         work = per_rank_work(dims_of(args), point)
         self.rank_and_size = (0, point.gpus)
@@ -79,9 +76,6 @@ class LayoutExchange:
         # rows each slot receives per microbatch
         self.rows_per_slot = round(work.rows_per_physical_expert / point.microbatches)
         self.k = args.num_experts_per_tok
-
-    def low_latency_fits(self, num_tokens: int) -> bool:
-        return True
 
     def _received(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for the slots in turn (slot i mod local), copies of x's tokens in turn."""
@@ -118,10 +112,8 @@ def _nothing() -> None:
 
 @dataclass
 class Slice:
-    """A slice model and cache for one phase's layout on `device`."""
+    """A slice model, its cache and one microbatch for one phase's layout."""
 
-    point: OperatingPoint
-    args: M.ModelArgs
     model: object
     cache: M.PagedKVCache
     batch: StepBatch
@@ -158,7 +150,7 @@ class Slice:
             first += count
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(2, args.vocab_size, (sum(queries),), generator=g).to(device)
-        return cls(point, args, model, cache, StepBatch(ids, queries, contexts, table))
+        return cls(model, cache, StepBatch(ids, queries, contexts, table))
 
 
 def measure(
