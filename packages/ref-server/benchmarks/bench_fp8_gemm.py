@@ -13,12 +13,14 @@ First each implementation is checked against float64 on the dequantized operands
 the device) and the run stops if one is off. Then each is timed: replayed from a CUDA graph
 (so that small shapes show device time, not Python's), CUDA events around each replay, the
 median of --reps after a warm-up. Implementations: the operator through Triton (TMA loads;
-with --pointer also the masked pointer loads), for linear layers also through
-torch._scaled_mm's blockwise scaling where it takes the shape, and bf16 on the same shapes
-(torch.mm, torch._grouped_mm, torch.bmm). Activations are quantized beforehand: the times are
-the GEMMs alone. The same run measures bf16 and per-tensor-scaled FP8 matmuls at 8192^3 as
-ceilings. Issue 16's target is FP8 >= 1.6x bf16 at M >= 4096. With --tune, the Triton kernel
-is then timed under each of a few launch configurations at M = 8192 (about a minute more).
+with --pointer also the masked pointer loads), through CUTLASS's grouped kernel (every
+layout), for linear layers also through torch._scaled_mm's blockwise
+scaling where it takes the shape, the operator's default ("auto": `fp8_gemm.pick_backend`),
+and bf16 on the same shapes (torch.mm, torch._grouped_mm, torch.bmm). Activations are
+quantized beforehand: the times are the GEMMs alone. The same run measures bf16 and
+per-tensor-scaled FP8 matmuls at 8192^3 as ceilings. Issue 16's target is FP8 >= 1.6x bf16
+at M >= 4096. With --tune, the Triton kernel is then timed under each of a few launch
+configurations at M = 8192 (about a minute more).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 
 import torch
 
+from ref_server.model import cutlass_gemm
 from ref_server.model.fp8 import (
     dequantize_activations,
     dequantize_blocks,
@@ -147,11 +150,13 @@ class Case:
         found = {"fp8 triton": self.fp8()}
         if pointer:
             found["fp8 triton pointer"] = self.triton(tma=False)
+        if cutlass_gemm.takes(self.n, self.k, torch.bfloat16, torch.device("cuda")):
+            found["fp8 cutlass"] = self.fp8("cutlass")
         if self.layout == "dense" and scaled_mm_takes(
             self.m, self.n, self.k, torch.bfloat16, "cuda"
         ):
             found["fp8 scaled_mm"] = self.fp8("scaled_mm")
-        return found | {"bf16": self.bf16()}
+        return found | {"fp8 auto": self.fp8("auto"), "bf16": self.bf16()}
 
     def check(self, pointer: bool) -> None:
         """Every implementation against float64 on the dequantized operands; exits if off."""

@@ -1,15 +1,15 @@
 """The block-scaled FP8 GEMM operator (`ref_server::fp8_block_gemm`): argument checks, shapes
 from its fake implementation and opcheck on the CPU; its Triton kernel on the CPU through
-Triton's interpreter (where triton is installed); on the GPU (`gpu` marker), every layout and
-both dense backends against float64 on the dequantized operands, CUDA graph replays with new
-values, torch.compile and opcheck."""
+Triton's interpreter (where triton is installed); on the GPU (`gpu` marker), every layout
+through every backend (Triton, CUTLASS, cuBLASLt for the dense one) against float64 on the
+dequantized operands, CUDA graph replays with new values, torch.compile and opcheck."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ref_server.model import fp8_gemm
+from ref_server.model import cutlass_gemm, fp8_gemm
 from ref_server.model.fp8 import (
     dequantize_activations,
     dequantize_blocks,
@@ -100,7 +100,7 @@ def poison(out_dtype, numel: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("backend", fp8_gemm.DENSE_BACKENDS)
+@pytest.mark.parametrize("backend", fp8_gemm.BACKENDS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lead, m, k, n", DENSE)
 def test_dense_layout_against_float64(lead, m, k, n, out_dtype, backend):
@@ -111,31 +111,40 @@ def test_dense_layout_against_float64(lead, m, k, n, out_dtype, backend):
     close_in(got, want, magnitude, out_dtype)
 
 
+# What each backend is tested in: CUTLASS writes bf16 only (other dtypes take Triton).
+EXPERT_BACKENDS = [
+    ("triton", torch.bfloat16),
+    ("triton", torch.float32),
+    ("cutlass", torch.bfloat16),
+    ("auto", torch.bfloat16),
+]
+
+
 @gpu
 @pytest.mark.parametrize("with_counts", [False, True])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend, out_dtype", EXPERT_BACKENDS)
 @pytest.mark.parametrize("e, m, k, n", BATCHED)
-def test_batched_layout_against_float64(e, m, k, n, out_dtype, with_counts):
+def test_batched_layout_against_float64(e, m, k, n, out_dtype, backend, with_counts):
     x, w = operands((e, m, k), (e, n, k), seed=e + m + k + n, device="cuda")
     want, magnitude = expected(x, w)
     counts = counts_for(e, m) if with_counts else [m] * e
     poison(out_dtype, want.numel())
     sizes = torch.tensor(counts, dtype=torch.int32, device="cuda") if with_counts else None
-    got = fp8_block_gemm(*x, *w, out_dtype=out_dtype, counts=sizes)
+    got = block_gemm(*x, *w, None, sizes, out_dtype, backend)
     for g, count in enumerate(counts):
         rows = slice(0, min(max(count, 0), m))
         close_in(got[g, rows], want[g, rows], magnitude[g, rows], out_dtype)
 
 
 @gpu
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend, out_dtype", EXPERT_BACKENDS)
 @pytest.mark.parametrize("rows, k, n, ends", GROUPED)
-def test_grouped_layout_against_float64(rows, k, n, ends, out_dtype):
+def test_grouped_layout_against_float64(rows, k, n, ends, out_dtype, backend):
     e = len(ends)
     x, w = operands((rows, k), (e, n, k), seed=rows + k + n, device="cuda")
     offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
     poison(out_dtype, rows * n)
-    got = fp8_block_gemm(*x, *w, offsets, out_dtype)
+    got = block_gemm(*x, *w, offsets, None, out_dtype, backend)
     assert got.shape == (rows, n)
     for g, (start, end) in enumerate(zip([0, *ends], ends, strict=False)):
         x_g = tuple(t[start:end] for t in x)
@@ -156,6 +165,52 @@ def test_load_paths_configs_and_k_splits_on_the_grouped_layout(config, tma, spli
     for g, (start, end) in enumerate([(0, 200), (200, 450), (450, 690)]):
         want, magnitude = expected(tuple(t[start:end] for t in x), tuple(t[g] for t in w))
         close_in(got[start:end], want, magnitude, torch.float32)
+
+
+@gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cutlass_on_groups_of_every_size(seed):
+    """Fresh random group sizes (empty groups, groups of one row, groups spanning many tiles,
+    rows past the last group) at V2-Lite's gate+up width (1408 = 11 x 128)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, 300, (9,), generator=g)
+    sizes[torch.randperm(9, generator=g)[:3]] = torch.tensor([0, 1, 0])
+    ends = sizes.cumsum(0).tolist()
+    rows, k, n = ends[-1] + 7, 2048, 1408
+    x, w = operands((rows, k), (9, n, k), seed=seed, device="cuda")
+    poison(torch.bfloat16, rows * n)
+    offsets = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    got = block_gemm(*x, *w, offsets, None, torch.bfloat16, "cutlass")
+    for e, (start, end) in enumerate(zip([0, *ends], ends, strict=False)):
+        want, magnitude = expected(tuple(t[start:end] for t in x), tuple(t[e] for t in w))
+        close_in(got[start:end], want, magnitude, torch.bfloat16)
+
+
+@gpu
+def test_cutlass_runs_on_hopper_and_checks_its_arguments():
+    """The CUTLASS kernel builds on an H200 (a failure here says why "cutlass" is Triton), and
+    its op refuses what it cannot run with a message naming it."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CUTLASS kernel is built for sm90a only")
+    assert cutlass_gemm.built() is None
+    assert cutlass_gemm.takes(576, 7168, torch.bfloat16, torch.device("cuda"))
+    assert not cutlass_gemm.takes(576, 7168, torch.float32, torch.device("cuda"))
+    assert not cutlass_gemm.takes(130, 7168, torch.bfloat16, torch.device("cuda"))
+    x, w = operands((64, 256), (2, 128, 256), seed=4, device="cuda")
+    op = torch.ops.ref_server_cuda.fp8_grouped_gemm
+    offsets = torch.tensor([10, 64], dtype=torch.int32, device="cuda")
+    short = (x[0][:, :128].contiguous(), x[1][:, :1].contiguous())
+    bad = [
+        ((*short, *w, offsets, None, 32), "x has k = 128"),
+        ((*x, *w, offsets.long(), None, 32), "offsets must be Int"),
+        ((*x, *w, offsets[:1], None, 32), "one offset or count per group"),
+        ((*x, *w, None, None, 31), "batched: groups x group_rows = 62"),
+        ((*x, *w, offsets, offsets, 32), "not both"),
+        ((x[0].t(), x[1], *w, offsets, None, 32), "x must be contiguous"),
+    ]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
 
 
 @gpu
@@ -202,7 +257,8 @@ def graph_expected(args, rows):
 @gpu
 @pytest.mark.parametrize(
     "layout, backend",
-    [("dense", "triton"), ("dense", "scaled_mm"), ("batched", "triton"), ("grouped", "triton")],
+    [("dense", "triton"), ("dense", "scaled_mm"), ("batched", "triton"), ("grouped", "triton")]
+    + [(layout, "cutlass") for layout in ("dense", "batched", "grouped")],
 )
 def test_captured_in_a_cuda_graph_and_replayed_with_new_values(layout, backend):
     args, _ = graph_case(layout, seed=1)
@@ -308,7 +364,7 @@ def bad_inputs():
         (replace(dense, x_scales=x_scales[..., :1]), r"x_scales must be \(2, 5, 2\)"),
         (replace(dense, w_scales=w_scales[:1]), r"w_scales must be \(2, 2\)"),
         (replace(dense, out_dtype=torch.int32), "out_dtype must be one of"),
-        (replace(dense, backend="cutlass"), "dense_backend must be one of"),
+        (replace(dense, backend="cublas"), "backend must be one of"),
         (replace(dense, w=w[0]), r"w must be \[n, k\] or \[e, n, k\]"),
         (replace(dense, counts=torch.ones(1, **int32)), "counts is for experts' weights"),
         (replace(dense, offsets=torch.ones(1, **int32)), "offsets is for experts' weights"),

@@ -10,7 +10,7 @@ from mla_kernels.extension import backend
 from mla_kernels.fp8_layout import FP8_TOKEN_BYTES, dequantize_fp8, quantize_fp8
 from mla_kernels.kv_cache import write_kv_cache
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "FP8_TOKEN_BYTES",

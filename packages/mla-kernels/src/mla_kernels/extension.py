@@ -5,6 +5,7 @@ reference elsewhere), `reference` (always the reference), or `cuda` (the kernel,
 error where it cannot run). The kernel is compiled on first use with nvcc into
 `MLA_KERNELS_CACHE_DIR` (default `~/.cache/mla-kernels`), in a folder named by a hash of the
 sources, the flags and the torch/CUDA versions, so a build is reused until one of them changes.
+`load_sm90a_ops` is that build for any folder of sources; ref-server builds its GEMM with it.
 """
 
 from __future__ import annotations
@@ -65,32 +66,29 @@ def cutlass_include() -> Path:
         import cutlass_library
     except ImportError:
         raise RuntimeError(
-            "building the mla-kernels CUDA kernel needs the CUTLASS headers: "
-            "pip install nvidia-cutlass (or set MLA_KERNELS_BACKEND=reference)"
+            "building the sm_90a kernels needs the CUTLASS headers: pip install nvidia-cutlass "
+            "(or set MLA_KERNELS_BACKEND=reference for mla-kernels' reference path)"
         ) from None
     return Path(cutlass_library.__file__).parent / "source" / "include"
 
 
-def sources() -> list[Path]:
-    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp"))
-
-
-def build_hash() -> str:
+def build_hash(csrc: Path = CSRC) -> str:
+    """A hash of csrc's files, the flags and the torch/CUDA versions: a build's folder name."""
     digest = hashlib.sha256()
-    for path in sorted(CSRC.iterdir()):
+    for path in sorted(p for p in csrc.iterdir() if p.is_file()):
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(NVCC_FLAGS).encode())
     digest.update(f"{torch.__version__} {torch.version.cuda}".encode())
     return digest.hexdigest()[:16]
 
 
-@functools.cache
-def load_extension() -> None:
-    """Compile (or reuse) and load the CUDA ops into `torch.ops.mla_kernels_cuda`."""
+def load_sm90a_ops(name: str, csrc: Path, cache: Path, verbose: bool = False) -> None:
+    """Compile (or reuse) every .cu and .cpp file of csrc for sm_90a, with the CUTLASS headers,
+    into `cache/<build_hash(csrc)>`, and load the torch ops they register. mla-kernels builds
+    its decode kernel so; ref-server its CUTLASS GEMM."""
     from torch.utils import cpp_extension
 
-    key = build_hash()
-    cache = Path(os.environ.get("MLA_KERNELS_CACHE_DIR", Path.home() / ".cache" / "mla-kernels"))
+    key = build_hash(csrc)
     build_dir = cache / key
     build_dir.mkdir(parents=True, exist_ok=True)
     cuda_home = Path(cpp_extension.CUDA_HOME or "/usr/local/cuda")
@@ -98,21 +96,30 @@ def load_extension() -> None:
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma and setmaxnreg exist only in sm_90a
     try:
         cpp_extension.load(
-            name=f"mla_kernels_cuda_{key}",
-            sources=[str(p) for p in sources()],
+            name=f"{name}_{key}",
+            sources=[str(p) for p in sorted(csrc.iterdir()) if p.suffix in (".cu", ".cpp")],
             extra_include_paths=[
-                str(CSRC),
+                str(csrc),
                 str(cutlass_include()),
+                str(cutlass_include().parent / "tools" / "util" / "include"),
                 str(cuda_home / "include" / "cccl"),
             ],
             extra_cflags=["-O3"],
             extra_cuda_cflags=NVCC_FLAGS,
             build_directory=str(build_dir),
             is_python_module=False,
-            verbose=os.environ.get("MLA_KERNELS_BUILD_VERBOSE", "0") == "1",
+            verbose=verbose,
         )
     finally:
         if previous_arch_list is None:
             del os.environ["TORCH_CUDA_ARCH_LIST"]
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = previous_arch_list
+
+
+@functools.cache
+def load_extension() -> None:
+    """Compile (or reuse) and load the CUDA ops into `torch.ops.mla_kernels_cuda`."""
+    cache = Path(os.environ.get("MLA_KERNELS_CACHE_DIR", Path.home() / ".cache" / "mla-kernels"))
+    verbose = os.environ.get("MLA_KERNELS_BUILD_VERBOSE", "0") == "1"
+    load_sm90a_ops("mla_kernels_cuda", CSRC, cache, verbose)

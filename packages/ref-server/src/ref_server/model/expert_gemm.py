@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.fp8_gemm import (
-    DENSE_BACKEND,
-    UNSCALED_DTYPES,
-    check_inputs,
-    triton_block_gemm,
-)
+from ref_server.model.fp8_gemm import UNSCALED_DTYPES, check_inputs, triton_block_gemm
 
 # Rows per expert (on average) up to which the CUDA implementation takes the Triton kernel
 # (bench_expert_gemm.py on the H200: it is faster than CUTLASS's grouped GEMM below).
@@ -32,7 +27,7 @@ def layout(x: torch.Tensor, w: torch.Tensor, offsets, counts):
     """What `fp8_gemm.check_inputs` finds for unscaled operands (ValueError if invalid)."""
     if w.dim() != 3:
         raise ValueError(f"w must be the experts' weights [e, n, k], got {tuple(w.shape)}")
-    return check_inputs(x, None, w, None, offsets, counts, x.dtype, DENSE_BACKEND)
+    return check_inputs(x, None, w, None, offsets, counts, x.dtype)
 
 
 def _expert_gemm_reference(

@@ -22,7 +22,7 @@ from torch import nn
 from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
 from ref_server.model.activation_kernels import silu_mul_fp8
 from ref_server.model.fp8_cast import cast_activations
-from ref_server.model.fp8_gemm import DENSE_BACKEND, block_gemm
+from ref_server.model.fp8_gemm import block_gemm
 from ref_server.model.moe import Experts, RoutedExperts
 
 BLOCK = 128
@@ -85,7 +85,7 @@ def fp8_block_gemm(
       (`[e]` int32, torch._grouped_mm's convention; rows past offsets[-1] come out unspecified).
     Out: `[..., m, n]`. ValueError on arguments that fit none of these.
     """
-    return block_gemm(x_fp8, x_scales, w_fp8, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
+    return block_gemm(x_fp8, x_scales, w_fp8, w_scales, offsets, counts, out_dtype, "auto")
 
 
 class FP8Linear(nn.Module):

@@ -20,10 +20,12 @@ and runs the same main loop (wgmma on e4m3, one fp32 rescale per 128 channels); 
 output has too few tiles for the SMs (decode), programs split k and their fp32 partial sums
 are added after. Nothing waits for the device and no size depends on device values, so the
 operator can be captured in a CUDA graph (after one warm-up call, which compiles the kernel).
-For the dense layout, torch's own `torch._scaled_mm` takes these scales on Hopper (1x128 by
-128x128 blockwise scaling, cuBLASLt 12.9 and later): `dense_backend="scaled_mm"` uses it where
-`scaled_mm_takes` says it can, and the Triton kernel elsewhere. Which backend `fp8_block_gemm`
-uses is `DENSE_BACKEND`, chosen from benchmarks/bench_fp8_gemm.py's measurements.
+Two more implementations serve on Hopper: torch's own `torch._scaled_mm` takes these scales
+for the dense layout (1x128 by 128x128 blockwise scaling, cuBLASLt 12.9 and later), and
+CUTLASS's grouped kernel (`cutlass_gemm`, built on first use) takes every layout into bf16.
+`backend` names one ("triton", "scaled_mm", "cutlass"), which runs where it takes the arguments
+(the Triton kernel elsewhere), or "auto": `pick_backend`'s choice, from
+benchmarks/bench_fp8_gemm.py's measurements.
 
 k need not be a multiple of 128 (the last block is partial, its scale covering what there is).
 Rows past a batched expert's count, or past offsets[-1] in the grouped layout, come out
@@ -42,12 +44,13 @@ from typing import NamedTuple
 
 import torch
 
+from ref_server.model import cutlass_gemm
+
 BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UNSCALED_DTYPES = (torch.bfloat16, torch.float16)  # operands the kernel also takes unscaled
-DENSE_BACKENDS = ("triton", "scaled_mm")
-DENSE_BACKEND = "scaled_mm"  # the dense layout's implementation on CUDA, for fp8_block_gemm
+BACKENDS = ("auto", "triton", "scaled_mm", "cutlass")
 # On the H200 (bench_fp8_gemm.py, 2026-12-02) cuBLASLt's blockwise GEMM beat the Triton kernel
 # on V3's projections from 512 rows (1.2-1.6x at 4096 and more) and lost at 128 (decode).
 SCALED_MM_MIN_ROWS = 512
@@ -71,7 +74,7 @@ class Layout(NamedTuple):
     out_shape: tuple[int, ...]
 
 
-def check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend) -> Layout:
+def check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend="auto") -> Layout:
     """The layout of valid arguments (see `block_gemm`; x_scales and w_scales None: unscaled
     half-precision operands, see `triton_block_gemm`); ValueError naming what is wrong."""
     named = dict(x_scales=x_scales, w_scales=w_scales, offsets=offsets, counts=counts)
@@ -96,8 +99,8 @@ def check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_bac
         )
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if dense_backend not in DENSE_BACKENDS:
-        raise ValueError(f"dense_backend must be one of {DENSE_BACKENDS}, got {dense_backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if w.dim() not in (2, 3):
         raise ValueError(f"w must be [n, k] or [e, n, k], got shape {tuple(w.shape)}")
     if x.dim() == 0:
@@ -155,16 +158,16 @@ def block_gemm(
     offsets: torch.Tensor | None,
     counts: torch.Tensor | None,
     out_dtype: torch.dtype,
-    dense_backend: str,
+    backend: str,
 ) -> torch.Tensor:
     """x @ w^T in out_dtype (bf16, fp16 or fp32), fp32 accumulation. x e4m3 `[..., k]` with
     x_scales fp32 `[..., ceil(k/128)]`; w e4m3 `[n, k]` or `[e, n, k]` with w_scales fp32
     `[(e,) ceil(n/128), ceil(k/128)]`; offsets `[e]` int32 (grouped layout) or counts `[e]`
-    int32 (batched layout), or neither; dense_backend, "triton" or "scaled_mm" (the dense
-    layout on CUDA). Out `[..., n]` (see the module docstring for the layouts).
+    int32 (batched layout), or neither; backend, one of BACKENDS (on CUDA). Out `[..., n]`
+    (see the module docstring for the layouts).
 
     This body is the reference, on any device: both operands dequantized to fp32, one matmul."""
-    check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend)
+    check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend)
     from ref_server.model.fp8 import dequantize_activations, dequantize_blocks  # fp8 imports us
 
     a = dequantize_activations(x, x_scales)
@@ -174,18 +177,44 @@ def block_gemm(
 
 
 @block_gemm.register_fake
-def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend):
-    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend)
+def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend):
+    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend)
     return x.new_empty(layout.out_shape, dtype=out_dtype)
 
 
 @block_gemm.register_kernel("cuda")
-def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend):
-    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, dense_backend)
-    use_cublas = dense_backend == "scaled_mm" and layout.kind == "dense"
-    if use_cublas and scaled_mm_takes(layout.rows, layout.n, layout.k, out_dtype, x.device):
+def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend):
+    layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend)
+    if backend == "auto":
+        backend = pick_backend(layout)
+    rows, n, k = layout.rows, layout.n, layout.k
+    dense = layout.kind == "dense"
+    if backend == "scaled_mm" and dense and scaled_mm_takes(rows, n, k, out_dtype, x.device):
         return scaled_mm_block_gemm(x, x_scales, w, w_scales, out_dtype)
+    if backend == "cutlass" and cutlass_gemm.takes(n, k, out_dtype, x.device):
+        out = cutlass_gemm.cutlass_block_gemm(
+            x, x_scales, w, w_scales, offsets, counts, layout.kind, layout.group_rows
+        )
+        return out.view(layout.out_shape)
     return triton_block_gemm(x, x_scales, w, w_scales, offsets, counts, out_dtype, layout=layout)
+
+
+# From bench_fp8_gemm.py on the H200 (2026-12-03): CUTLASS's grouped kernel beat the Triton
+# kernel on V3's expert shapes from 128 rows a group on average (1.1-1.4x at 4,096-16,384
+# rows); below, Triton's k splits fill the SMs and it won. cuBLASLt beat both on every linear
+# layer from 512 rows.
+CUTLASS_MIN_GROUP_ROWS = 128
+
+
+def pick_backend(layout: Layout) -> str:
+    """The backend "auto" takes: cuBLASLt for linear layers (where it takes them), CUTLASS for
+    rows grouped by expert (prefill) with CUTLASS_MIN_GROUP_ROWS or more a group on average,
+    Triton otherwise, the batched layout included: its counts stay on the device, and blocks
+    with few rows counted (decode) are what the Triton kernel's k splits serve best."""
+    if layout.kind == "dense":
+        return "scaled_mm"
+    grouped = layout.kind == "grouped" and layout.group_rows >= CUTLASS_MIN_GROUP_ROWS
+    return "cutlass" if grouped else "triton"
 
 
 # torch._scaled_mm reads (1x128, 128x128) blockwise scales from torch 2.9 on, through cuBLASLt
@@ -282,7 +311,7 @@ def triton_block_gemm(
     separate programs (into fp32 partial sums, then added up), `pick_split_k`'s by default.
     layout: what `check_inputs` found for these arguments, from a caller that checked them."""
     if layout is None:
-        layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, DENSE_BACKEND)
+        layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype)
     rows, n, k, groups = layout.rows, layout.n, layout.k, layout.groups
     config = config or pick_config(layout.group_rows)
     if BLOCK % config.block_n:
