@@ -529,8 +529,9 @@ def balanced_experts_serve_as_one_process(
     # Over ranks each rank's bf16 partial sums meet in the combine, grouped by which rank holds
     # which expert: a permutation alone moves logits by a bf16 step, and 4 ranks on the GPU put
     # one logit of 600 0.043 off (11 steps at its 0.37) through the layers. The exchange also
-    # rounds float32 rows to bf16, turning the CPU's 1e-7 differences into bf16 steps.
-    tol = 1e-5 if dtype == torch.float32 and world == 1 else 3e-2
+    # rounds float32 rows to bf16, turning the CPU's float32 differences into bf16 steps. On one
+    # rank those reach 1.4e-5 through the layers on some CPUs (MKL rounds a row by row count).
+    tol = 5e-5 if dtype == torch.float32 and world == 1 else 3e-2
     assert_close_logits(got, want, tol if dtype == torch.float32 else 6e-2)
 
     counted = ExpertBalancer(model, EplbConfig(interval=1)).load()

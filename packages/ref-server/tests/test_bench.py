@@ -363,7 +363,8 @@ def test_the_command_prints_json_and_draws_the_plot(deployment, tmp_path):
     ]
     assert all(run["requests"]["ok"] == 4 for run in document["runs"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    fill = ["--address", deployment.address, "--fill", "3", "--output-tokens", "6", "--seed", "17"]
+    # 16 tokens: a window of all 3 decoding that outlasts 2 steps on a loaded machine too
+    fill = ["--address", deployment.address, "--fill", "3", "--output-tokens", "16", "--seed", "17"]
     table = bench(*fill)
     assert table.returncode == 0, table.stderr
     assert "saturation (fill 3)" in table.stdout

@@ -50,8 +50,10 @@ def step_logits(model, steps, split_of=None, in_turn=False):
 
 
 def assert_same(two: torch.Tensor, in_turn: torch.Tensor, one: torch.Tensor) -> None:
+    """Two microbatches against one: float32 GEMMs over fewer rows round differently (MKL picks
+    its kernels by shape and thread count; 1.9e-4 measured on a 2-core machine, 2026-12-03)."""
     assert torch.equal(two, in_turn)
-    torch.testing.assert_close(two, one, rtol=0, atol=1e-4)
+    torch.testing.assert_close(two, one, rtol=0, atol=5e-4)
     assert torch.equal(two.argmax(-1), one.argmax(-1))
 
 
