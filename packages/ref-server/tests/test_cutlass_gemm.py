@@ -73,3 +73,24 @@ def test_every_backend_is_the_reference_off_cuda(backend):
     want = fp8_block_gemm(*x, *w, offsets, torch.float32)
     got = fp8_gemm.block_gemm(*x, *w, offsets, None, torch.float32, backend)
     assert torch.equal(got, want)
+
+
+def test_operands_reach_the_op_contiguous_and_16_byte_aligned(monkeypatch):
+    """Views that start mid-row (x_scales of rows 1.., offsets[1:]) are copied; aligned,
+    contiguous ones pass as they are (the op is replaced by a recorder: it needs a GPU)."""
+    seen = []
+    fake = type("Ops", (), {"fp8_grouped_gemm": staticmethod(lambda *a: seen.append(a))})
+    monkeypatch.setattr(torch.ops, "ref_server_cuda", fake, raising=False)
+    x, x_scales = quantize_activations(torch.randn(9, 256))
+    w, w_scales = quantize_blocks(torch.randn(2, 128, 256))
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cutlass_gemm.cutlass_block_gemm(
+        x[1:], x_scales[1:], w, w_scales, offsets[1:], None, "grouped", 4
+    )
+    [(*tensors, group_rows)] = seen
+    assert group_rows == 4
+    for t in tensors[:5]:
+        assert t.is_contiguous() and t.data_ptr() % 16 == 0
+    assert tensors[2].data_ptr() == w.data_ptr()  # aligned already: not copied
+    assert torch.equal(tensors[1], x_scales[1:]) and torch.equal(tensors[4], offsets[1:])
+    assert tensors[5] is None

@@ -86,12 +86,20 @@ def cutlass_block_gemm(
     m (batched; unused otherwise). Out `[rows, n]`, rows = x's rows as a matrix; rows outside
     every group come out unspecified. The kernel takes 128 x 128 tiles."""
     k = x.shape[-1]
-    x = x.reshape(-1, k).contiguous()
-    x_scales = x_scales.reshape(x.shape[0], -1).contiguous()
+    x = x.reshape(-1, k)
+    x_scales = x_scales.reshape(x.shape[0], -1)
     if w.dim() == 2:
         w, w_scales = w[None], w_scales[None]
     if kind == "dense":
         group_rows = x.shape[0]
-    return torch.ops.ref_server_cuda.fp8_grouped_gemm(
-        x, x_scales, w.contiguous(), w_scales.contiguous(), offsets, counts, group_rows
-    )
+    operands = [aligned(t) for t in (x, x_scales, w, w_scales, offsets, counts)]
+    return torch.ops.ref_server_cuda.fp8_grouped_gemm(*operands, group_rows)
+
+
+def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t contiguous from a 16-byte aligned address (the op's bulk copies and its checks want
+    both; a view that starts mid-row of a larger tensor is copied)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
