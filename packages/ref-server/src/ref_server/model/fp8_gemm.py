@@ -200,7 +200,7 @@ def _(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend):
 
 
 # From bench_fp8_gemm.py on the H200 (2026-12-03): CUTLASS's grouped kernel beat the Triton
-# kernel on V3's expert shapes from 128 rows a group on average (1.1-1.4x at 4,096-16,384
+# kernel on V3's expert shapes from 128 rows a group on average (1.2-1.5x at 4,096-16,384
 # rows); below, Triton's k splits fill the SMs and it won. cuBLASLt beat both on every linear
 # layer from 512 rows.
 CUTLASS_MIN_GROUP_ROWS = 128
