@@ -134,9 +134,9 @@ def reached_experts(model, step) -> list[int]:
     reached, layers = [], model.moe_layers()
     for moe in layers:
 
-        def recorded(logits, select=moe.gate.select):
-            weights, ids = select(logits)
-            reached.append(int(ids.unique().numel()))
+        def recorded(logits, real_rows=None, select=moe.gate.select):
+            weights, ids = select(logits, real_rows)
+            reached.append(int(ids[ids >= 0].unique().numel()))
             return weights, ids
 
         moe.gate.select = recorded

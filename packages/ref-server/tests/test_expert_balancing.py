@@ -39,7 +39,11 @@ def test_choices_go_to_the_replicas_of_their_expert_in_turn():
     # choice i = row * k + column goes to replica i mod count
     slots = location.to_physical(ids)
     assert slots.tolist() == [[1, 5], [6, 7], [4, 5], [2, 4]]
-    location.count(slots, real_rows=torch.tensor([True, True, False, True]))
+    # a CUDA graph's padding row (ids -1: no expert) goes to no slot and counts nowhere
+    padding = torch.tensor([[False], [False], [True], [False]])
+    slots = location.to_physical(ids.masked_fill(padding, -1))
+    assert slots.tolist() == [[1, 5], [6, 7], [-1, -1], [2, 4]]
+    location.count(slots)
     assert location.load.tolist() == [0, 1, 1, 0, 1, 1, 1, 1]
     location.received += torch.arange(4, dtype=torch.int32)
     # what rank 1's slots 4..7 received through the low-latency dispatch joins its routed ones

@@ -14,6 +14,7 @@ import ref_server.model as M
 from ep_comm.low_latency import per_token_cast_to_fp8
 from ep_comm.testing import run_ranks
 from ref_server.model import ModelArgs
+from ref_server.model.checkpoint import checkpoint_tensors
 from ref_server.model.fp8 import (
     FP8Experts,
     FP8Linear,
@@ -121,17 +122,24 @@ def test_the_loader_keeps_fp8_checkpoints_in_fp8_and_quantizes_bf16_ones_alike(
     model = M.from_pretrained(tmp_path / "fp8", dtype=torch.float32, weight_dtype="fp8")
 
     attention = model.layers[0].self_attn
+    for name in ("qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+        assert isinstance(getattr(attention, name), FP8Linear)
+    views = {name: (weight, scale) for name, weight, scale in checkpoint_tensors(model)}
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-        layer = getattr(attention, name)
-        assert isinstance(layer, FP8Linear)
         checkpoint = f"model.layers.0.self_attn.{name}.weight"
-        assert torch.equal(layer.weight.view(torch.uint8), stored[checkpoint].view(torch.uint8))
-        assert torch.equal(layer.weight_scale_inv, stored[checkpoint + "_scale_inv"])
+        weight, scale = views[checkpoint]
+        assert torch.equal(weight.view(torch.uint8), stored[checkpoint].view(torch.uint8))
+        assert torch.equal(scale, stored[checkpoint + "_scale_inv"])
+    # q_a_proj's 48 rows, zeros up to the next 128-row block, kv_a_proj_with_mqa's 576
+    fused = attention.qkv_a_proj
+    assert fused.row_parts.at == {"q_a_proj": (0, 48), "kv_a_proj_with_mqa": (128, 576)}
+    assert fused.weight.shape == (704, 64) and fused.weight_scale_inv.shape == (6, 1)
+    assert not fused.weight[48:128].view(torch.uint8).any()
     assert model.layers[0].mlp.down_proj.weight_scale_inv.shape == (1, 1)  # [64, 96]
     assert model.layers[0].self_attn.kv_b_proj.weight_scale_inv.shape == (2, 4)  # [224, 512]
     moe = model.layers[1].mlp
     assert isinstance(moe.experts, FP8Experts)
-    assert isinstance(moe.shared_experts.gate_proj, FP8Linear)
+    assert isinstance(moe.shared_experts.gate_up_proj, FP8Linear)
     up = stored["model.layers.1.mlp.experts.5.up_proj.weight"]
     assert torch.equal(moe.experts.up_proj[5].view(torch.uint8), up.view(torch.uint8))
     assert moe.experts.down_proj_scale_inv.shape == (8, 1, 1)
@@ -192,11 +200,12 @@ def test_fp8_weights_against_bf16_on_the_same_random_weights():
 
 
 def test_weight_bytes_per_gpu():
+    """The checkpoint's tensors (the tiny model's stacked FP8 layers hold padding rows too,
+    between parts that do not fill 128-row blocks; V2-Lite's and V3's parts fill them)."""
     tiny = M.from_preset("tiny", weight_dtype="fp8")
-    tensors = [*tiny.parameters(), *tiny.buffers()]
-    fp8 = sum(t.numel() for t in tensors if t.dtype == torch.float8_e4m3fn)
-    scales = sum(t.numel() for n, t in tiny.named_buffers() if n.endswith("_scale_inv"))
-    rest = sum(t.numel() for t in tensors if t.dtype != torch.float8_e4m3fn) - scales
+    views = [view for _, view, _ in checkpoint_tensors(tiny)]
+    fp8 = sum(v.numel() for v in views if v.dtype == torch.float8_e4m3fn)
+    rest = sum(v.numel() for v in views if v.dtype != torch.float8_e4m3fn)
     args = tiny.args
     assert args.weight_bytes_per_gpu(1, "bf16") == 2 * args.num_parameters() == 2 * (fp8 + rest)
     assert args.weight_bytes_per_gpu(1, "fp8") == round(fp8 * (1 + 4 / 128**2)) + 2 * rest

@@ -26,8 +26,8 @@ def routing_recorder(model) -> list:
         if isinstance(layer.mlp, MoE):
             gate, select = layer.mlp.gate, layer.mlp.gate.select
 
-            def recording(scores, select=select):
-                out = select(scores)
+            def recording(scores, real_rows=None, select=select):
+                out = select(scores, real_rows)
                 calls.append(tuple(t.cpu() for t in out))
                 return out
 
@@ -40,7 +40,7 @@ def replay_routing(model, calls: list) -> None:
     recorded = iter(calls)
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
-            layer.mlp.gate.select = lambda scores: next(recorded)
+            layer.mlp.gate.select = lambda scores, real_rows=None: next(recorded)
 
 
 def test_v2_lite_layers_on_the_gpu_match_cpu_float32_math():

@@ -98,6 +98,20 @@ def check_written(buffer, want, fill=7.0):
     assert (buffer[..., :LATENT] == fill).all()
 
 
+def check_in_place(x, cos, sin, interleave, want, into=rope_into):
+    """into (rope_into's arguments) with out x itself (a view of q or of kv_a's output, as
+    `problem` makes them): x becomes want, and the other columns of its rows stay as they
+    were."""
+    whole = x._base
+    before = whole.clone()
+    into(x, cos, sin, interleave, x)
+    assert torch.equal(x, want)
+    offset = x.storage_offset() - whole.storage_offset()
+    untouched = torch.ones_like(whole, dtype=torch.bool)
+    untouched.as_strided(x.shape, x.stride(), offset).fill_(False)
+    assert torch.equal(whole[untouched], before[untouched])
+
+
 # ---- CPU ----
 
 
@@ -115,6 +129,7 @@ def test_the_operator_on_the_cpu_is_the_torch_formula_bit_for_bit(heads, tokens,
         buffer, rope_columns = query_buffer(x)
         rope_into(x, cos, sin, interleave, rope_columns)
         check_written(buffer, want)
+        check_in_place(x, cos, sin, interleave, want)
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -217,7 +232,8 @@ def bad_destinations():
             torch.empty(3, 2, 5, 16, 64, dtype=x.dtype).transpose(0, 1),
             r"out's dims before \[n, heads, rope\] must merge into one",
         ),
-        (x, x, "out must not overlap x in memory"),
+        # x itself is rotated in place; a view shifted by a few columns is not
+        (q[..., NOPE:], q[..., NOPE - 8 : NOPE + ROPE - 8], "out must not overlap x in memory"),
         # apart value by value, but not in the memory the two span
         (q[..., NOPE:], q[..., :ROPE], "out must not overlap x in memory"),
     ]
@@ -260,6 +276,9 @@ def check_interpreted(x, cos, sin, interleave, into=True):
         buffer, rope_columns = query_buffer(x)
         assert triton_rope(x, cos, sin, interleave, rope_columns) is rope_columns
         check_written(buffer, want)
+        if x._base is not None and x.dim() <= 4 and x.stride(-1) == 1:  # out as rope_into takes
+            into = lambda *args: triton_rope(*args[:4], out=args[4])  # noqa: E731
+            check_in_place(x, cos, sin, interleave, want, into)
 
 
 def interpreted_checks():
@@ -311,6 +330,7 @@ def test_the_kernel_is_the_torch_formula_bit_for_bit(heads, tokens, interleave, 
         buffer, rope_columns = query_buffer(x, fill=float("nan"))
         rope_into(x, cos, sin, interleave, rope_columns)
         assert torch.equal(rope_columns, want) and buffer[..., :LATENT].isnan().all()
+        check_in_place(x, cos, sin, interleave, want)
 
 
 @gpu

@@ -293,11 +293,27 @@ def expect_rows_of_any_stride_and_none(route, device) -> None:
     assert weights.shape == ids.shape == (0, r.k) and ids.dtype == torch.int64
 
 
+def expect_rows_that_are_no_tokens_to_go_nowhere(route, device) -> None:
+    """Rows where real_rows is False (a CUDA graph's padding, NaN logits in one): ids -1 and
+    weights 0; the real rows as without real_rows."""
+    r = CONFIGS["v3"]
+    logits, bias = problem(6, r.experts, device, seed=11)
+    logits[4] = float("nan")
+    real = torch.tensor([True, False, True, True, False, False], device=device)
+    weights, ids = route(logits, bias, *r.arguments, real)
+    want_weights, want_ids = route(logits, bias, *r.arguments)
+    assert torch.equal(ids[real], want_ids[real])
+    assert torch.equal(weights[real], want_weights[real])
+    assert ids[~real].eq(-1).all() and weights[~real].eq(0).all()
+    assert weights.shape == ids.shape == (6, r.k)
+
+
 EDGE_CASES = [
     expect_equal_choices_to_go_to_the_lower_id,
     expect_group_ties_to_go_to_the_lower_group,
     expect_nan_to_rank_last,
     expect_rows_of_any_stride_and_none,
+    expect_rows_that_are_no_tokens_to_go_nowhere,
 ]
 
 
@@ -342,6 +358,8 @@ def test_the_reference_chooses_as_gate_select_did(name):
 def test_opcheck_on_cpu(name):
     r = CONFIGS[name]
     torch.library.opcheck(moe_route, (*problem(9, r.experts), *r.arguments))
+    real = torch.arange(9) % 3 > 0
+    torch.library.opcheck(moe_route, (*problem(9, r.experts), *r.arguments, real))
 
 
 def test_the_fake_implementation_gives_the_outputs():
@@ -393,6 +411,15 @@ def bad_arguments():
         ((logits, bias, 64, 4, 2, True, 1.0), "groups score their best two experts: 64 groups"),
         ((logits, bias, 8, 4, 0, True, 1.0), r"k \(0\) must be in 1..the experts of the kept"),
         ((logits, bias, 8, 4, 33, True, 1.0), r"k \(33\) .* \(4 x 8\)"),
+        (
+            (logits, bias, *v3, torch.ones(4, dtype=torch.bool)),
+            r"real_rows must be \[3\] bool \(one per row of logits\), got \(4,\)",
+        ),
+        ((logits, bias, *v3, torch.ones(3)), r"real_rows must be \[3\] bool.* torch.float32"),
+        (
+            (logits, bias, *v3, torch.ones(3, dtype=torch.bool, device="meta")),
+            "logits and real_rows must be on one device",
+        ),
     ]
 
 

@@ -21,7 +21,8 @@ from torch.nn.attention.bias import CausalVariant
 import mla_kernels
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
-from ref_server.model.layers import RMSNorm, rotate
+from ref_server.model.layers import FusedLinear, RMSNorm, rotate
+from ref_server.model.rope_kernels import rope_into
 
 
 class Attention(nn.Module):
@@ -29,13 +30,13 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         h, heads = args.hidden_size, args.num_attention_heads
+        # the projections of the layer's input, as one GEMM
+        q_a = {"q_a_proj": args.q_lora_rank} if args.q_lora_rank else {}
+        q_a = q_a or {"q_proj": heads * args.qk_head_dim}
+        self.qkv_a_proj = FusedLinear(h, q_a | {"kv_a_proj_with_mqa": args.cache_width})
         if args.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, args.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
             self.q_b_proj = nn.Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)
-        else:
-            self.q_proj = nn.Linear(h, heads * args.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, args.cache_width, bias=False)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         kv_width = args.qk_nope_head_dim + args.v_head_dim
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
@@ -43,17 +44,24 @@ class Attention(nn.Module):
         self._kv_b_dequantized = None  # an FP8 kv_b's weight, see `_kv_b_weight`
 
     def _project(self, x: torch.Tensor, rotation):
-        """x `[..., n, hidden]` (rotation: `Rope` at its positions) to q_nope, q_rope
-        `[..., n, heads, *]`, the normalized latent
-        `[..., n, kv_lora_rank]` and the rotated shared rope key `[..., n, rope]`."""
+        """x `[..., n, hidden]` (rotation: `Rope` at its positions) to the queries
+        `[..., n, heads, qk_head_dim]`, their rope columns not yet rotated (`_rotate_queries`),
+        the normalized latent `[..., n, kv_lora_rank]` and the rotated shared rope key
+        `[..., n, rope]`."""
         a = self.args
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        q, kv = self.qkv_a_proj.row_parts.split(self.qkv_a_proj(x))
+        q = self.q_b_proj(self.q_a_layernorm(q)) if a.q_lora_rank else q
         q = q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim))
-        q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        q_rope = rotate(q_rope, rotation, a.rope_interleave)
+        latent, k_rope = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         k_rope = rotate(k_rope.unsqueeze(-2), rotation, a.rope_interleave).squeeze(-2)
-        return q_nope, q_rope, self.kv_a_layernorm(latent), k_rope
+        return q, self.kv_a_layernorm(latent), k_rope
+
+    def _rotate_queries(self, q: torch.Tensor, rotation, out: torch.Tensor | None = None) -> None:
+        """q's rope columns rotated into out `[..., n, heads, rope]` (q's dtype), or in place:
+        then q is the query that attends to decompressed keys, with no concatenation."""
+        q_rope = q[..., self.args.qk_nope_head_dim :]
+        cos, sin = rotation
+        rope_into(q_rope, cos, sin, self.args.rope_interleave, q_rope if out is None else out)
 
     def _decompress(self, latent: torch.Tensor, k_rope: torch.Tensor):
         """Per-head keys `[..., t, heads, qk_head_dim]` and values `[..., t, heads, v]`."""
@@ -77,9 +85,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x `[b, t, hidden]`, a causal pass over whole sequences."""
-        q_nope, q_rope, latent, k_rope = self._project(x, rotation)
+        q, latent, k_rope = self._project(x, rotation)
+        self._rotate_queries(q, rotation)
         k, v = self._decompress(latent, k_rope)
-        q = torch.cat([q_nope, q_rope], dim=-1)
         return self.o_proj(self._attend(q, k, v, causal=True))
 
     # A cached step's two operations. State in: attn_in `[n, hidden]` (normalized), step
@@ -91,12 +99,13 @@ class Attention(nn.Module):
         if step is None:
             state.attn_query = None
             return
-        q_nope, q_rope, latent, k_rope = self._project(x, state.rotation)
+        q, latent, k_rope = self._project(x, state.rotation)
         mla_kernels.write_kv_cache(kv, latent, k_rope, step.slot_mapping, check_values=False)
         if step.is_decode:
-            state.attn_query = self._absorbed_query(q_nope, q_rope, kv.dtype)
+            state.attn_query = self._absorbed_query(q, state.rotation, kv.dtype)
         else:
-            state.attn_query = torch.cat([q_nope, q_rope], dim=-1)
+            self._rotate_queries(q, state.rotation)
+            state.attn_query = q
 
     def core(self, state, kv: torch.Tensor) -> None:
         q, step = state.pop("attn_query"), state.step
@@ -193,12 +202,18 @@ class Attention(nn.Module):
             self._kv_b_dequantized = _Dequantized(refs, stamp, weight)
         return self._kv_b_dequantized.weight
 
-    def _absorbed_query(self, q_nope, q_rope, dtype):
+    def _absorbed_query(self, q, rotation, dtype):
         """One token per sequence: queries absorb kv_b's key half, so they attend to the latent
-        cache (576-wide rows; values are the first 512): `[b, 1, heads, 576]`."""
+        cache (576-wide rows; values are the first 512): `[b, 1, heads, 576]` in dtype. The
+        per-head GEMM and the rope write their columns of one buffer (no concatenation)."""
+        a = self.args
         w_key, _ = self._kv_b_halves()
-        q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_key)
-        return torch.cat([q_latent, q_rope], dim=-1).to(dtype).unsqueeze(1)
+        query = q.new_empty(q.shape[0], a.num_attention_heads, a.kv_lora_rank + a.qk_rope_head_dim)
+        q_latent, q_rope = query.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        q_nope = q[..., : a.qk_nope_head_dim]
+        torch.bmm(q_nope.transpose(0, 1), w_key, out=q_latent.transpose(0, 1))
+        self._rotate_queries(q, rotation, q_rope)
+        return query.to(dtype).unsqueeze(1)
 
     def _absorbed_decode(self, q, cache, step):
         """Attention over the latent cache, then values through kv_b's value half."""
@@ -216,8 +231,10 @@ class Attention(nn.Module):
             check_values=False,
         )
         _, w_value = self._kv_b_halves()
-        out = torch.einsum("nhc,hvc->nhv", out.squeeze(1).to(w_value.dtype), w_value)
-        return out.flatten(1)
+        out = out.squeeze(1).to(w_value.dtype)
+        values = out.new_empty(out.shape[0], a.num_attention_heads, a.v_head_dim)
+        torch.bmm(out.transpose(0, 1), w_value.transpose(1, 2), out=values.transpose(0, 1))
+        return values.flatten(1)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ref_server.model.args import ModelArgs
-from ref_server.model.fp8 import blocks, dequantize_blocks, quantize_blocks
+from ref_server.model.fp8 import BLOCK, blocks, dequantize_blocks, quantize_blocks
 from ref_server.model.transformer import Transformer
 
 
@@ -64,14 +64,27 @@ def checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(checkpoint name, the model tensor or the view of it that the checkpoint tensor fills,
     the view its block scales fill where the model keeps it in FP8, else None) for every
-    tensor of the model. Stacked routed experts are one view per slot and projection, named
-    by the logical expert the slot holds (replicas read the same tensor)."""
+    tensor of the model. A layer that stacks several (`RowParts`) is one view per part.
+    Stacked routed experts are one view per slot and projection, named by the logical expert
+    the slot holds (replicas read the same tensor)."""
     tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    stacked = {
+        name: module.row_parts
+        for name, module in model.named_modules()
+        if getattr(module, "row_parts", None) is not None
+    }
     for name, tensor in tensors.items():
         if name.endswith("_scale_inv") or ".location." in name:
             continue  # filled with its weight; where the experts are is not in checkpoints
         scale = tensors.get(name + "_scale_inv")
         parts = name.split(".")
+        owner = name.rpartition(".")[0]
+        if owner in stacked:
+            prefix = "model." + owner.rpartition(".")[0]
+            for part, (first, rows) in stacked[owner].at.items():
+                part_scale = None if scale is None else scale[first // BLOCK :][: blocks(rows)]
+                yield f"{prefix}.{part}.weight", tensor[first : first + rows], part_scale
+            continue
         if parts[2:4] != ["mlp", "experts"]:
             yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
             continue

@@ -60,19 +60,18 @@ class ExpertLocation(nn.Module):
         self.replica_count.copy_(count)
 
     def to_physical(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logical expert ids `[n, k]` int64 to the slots serving them `[n, k]` int64."""
+        """Logical expert ids `[n, k]` int64 to the slots serving them `[n, k]` int64; -1 (no
+        expert: a CUDA graph's padding row) stays -1."""
         n, k = ids.shape
         choice = torch.arange(n * k, device=ids.device).view(n, k)
-        return self.logical_to_physical[ids, choice % self.replica_count[ids]]
+        chosen = ids.clamp(min=0)
+        slots = self.logical_to_physical[chosen, choice % self.replica_count[chosen]]
+        return slots.masked_fill(ids < 0, -1)
 
-    def count(self, slots: torch.Tensor, real_rows: torch.Tensor | None = None) -> None:
-        """Add a batch's choices `[n, k]` (slot ids) to `load`; real_rows `[n]` bool: the rows
-        that count (a CUDA graph's padding rows do not)."""
-        if real_rows is None:
-            ones = torch.ones(slots.numel(), dtype=torch.long, device=slots.device)
-        else:
-            ones = real_rows.long().repeat_interleave(slots.shape[1])
-        self.load.index_add_(0, slots.flatten(), ones)
+    def count(self, slots: torch.Tensor) -> None:
+        """Add a batch's choices `[n, k]` (slot ids; -1 counts nowhere) to `load`."""
+        chosen = slots.flatten()
+        self.load.index_add_(0, chosen.clamp(min=0), (chosen >= 0).long())
 
     def take_load(self, first_slot: int) -> torch.Tensor:
         """The load counted since the last call `[P]` int64 (this rank's share: what it routed,

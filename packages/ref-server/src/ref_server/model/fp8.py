@@ -23,6 +23,7 @@ from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
 from ref_server.model.activation_kernels import silu_mul_fp8
 from ref_server.model.fp8_cast import cast_activations
 from ref_server.model.fp8_gemm import block_gemm
+from ref_server.model.layers import FusedLinear, RowParts
 from ref_server.model.moe import Experts, RoutedExperts
 
 BLOCK = 128
@@ -91,10 +92,15 @@ def fp8_block_gemm(
 class FP8Linear(nn.Module):
     """A linear layer without bias in FP8: buffers `weight` `[out, in]` e4m3 and
     `weight_scale_inv` `[ceil(out/128), ceil(in/128)]` fp32 (the checkpoint's names). Inputs
-    are quantized per token and 128 channels; outputs come in the input's dtype."""
+    are quantized per token and 128 channels; outputs come in the input's dtype. With parts
+    (as `FusedLinear`'s), it stacks those layers, each from a row that starts a block
+    (`row_parts`; the padding rows between them are zero once `zero_padding` ran)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, parts=None) -> None:
         super().__init__()
+        if parts is not None:
+            self.row_parts = RowParts(parts, align=BLOCK)
+            out_features = self.row_parts.rows
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8))
         scales = torch.empty(blocks(out_features), blocks(in_features), dtype=torch.float32)
@@ -108,6 +114,17 @@ class FP8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight `[out, in]` in dtype (absorbed decode multiplies by it directly)."""
         return dequantize_blocks(self.weight, self.weight_scale_inv).to(dtype)
+
+    def zero_padding(self) -> None:
+        """Zero the rows after each part up to the next block (no checkpoint tensor fills
+        them; their outputs are dropped, and zeros keep the buffer's bytes deterministic)."""
+        if not hasattr(self, "row_parts"):
+            return
+        places = list(self.row_parts.at.values())
+        starts = [first for first, _ in places[1:]] + [self.out_features]
+        with torch.no_grad():
+            for (first, rows), start in zip(places, starts, strict=True):
+                self.weight[first + rows : start].view(torch.uint8).zero_()
 
 
 class FP8Experts(RoutedExperts):
@@ -166,4 +183,5 @@ def use_fp8(model: nn.Module) -> None:
             if isinstance(child, Experts):
                 setattr(module, name, FP8Experts(*child.down_proj.shape))
             elif isinstance(child, nn.Linear) and child is not head:
-                setattr(module, name, FP8Linear(child.in_features, child.out_features))
+                parts = child.row_parts.parts if isinstance(child, FusedLinear) else None
+                setattr(module, name, FP8Linear(child.in_features, child.out_features, parts))

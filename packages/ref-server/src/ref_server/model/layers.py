@@ -1,4 +1,5 @@
-"""The small pieces every layer uses: RMS norm, rotary embeddings (YaRN), the SwiGLU MLP."""
+"""The small pieces every layer uses: RMS norm, rotary embeddings (YaRN), linear layers that
+share an input as one GEMM, the SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -86,12 +87,40 @@ def rotate(x: torch.Tensor, rotation, interleave: bool) -> torch.Tensor:
     return rope(x, cos, sin, interleave)
 
 
+class RowParts:
+    """Where the checkpoint's linear layers lie in a weight that stacks them by rows: part
+    name to (first row, rows), in order, each part's first row a multiple of align (FP8
+    weights keep their parts' 128 x 128 blocks so; the rows between parts are padding)."""
+
+    def __init__(self, parts: dict[str, int], align: int = 1) -> None:
+        self.parts = dict(parts)
+        self.at, row = {}, 0
+        for name, rows in self.parts.items():
+            row = -(-row // align) * align
+            self.at[name] = (row, rows)
+            row += rows
+        self.rows = row
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """The stacked layer's output `[..., rows]` as each part's `[..., its rows]` (views)."""
+        return [y[..., first : first + rows] for first, rows in self.at.values()]
+
+
+class FusedLinear(nn.Linear):
+    """Linear layers without bias that read one input, as one GEMM: `row_parts` says where
+    each (by its checkpoint name) lies in the weight, and splits the output."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]) -> None:
+        self.row_parts = RowParts(parts)
+        super().__init__(in_features, self.row_parts.rows, bias=False)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.gate_up_proj = FusedLinear(hidden, {"gate_proj": inter, "up_proj": inter})
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up_proj.row_parts.split(self.gate_up_proj(x))
+        return self.down_proj(silu_mul(gate, up))

@@ -47,7 +47,9 @@ class Gate(nn.Module):
             return torch.mm(x, w.t(), out_dtype=torch.float32)
         return F.linear(x.float(), w.float())
 
-    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(self, logits: torch.Tensor, real_rows: torch.Tensor | None = None):
+        """logits `[n, experts]` fp32 to weights `[n, k]` fp32 and expert ids `[n, k]` int64;
+        real_rows `[n]` bool: rows where it is False get ids -1 (no expert) and weights 0."""
         a = self.args
         return moe_route(
             logits,
@@ -57,6 +59,7 @@ class Gate(nn.Module):
             a.num_experts_per_tok,
             a.norm_topk_prob,
             a.routed_scaling_factor,
+            real_rows,
         )
 
 
@@ -219,15 +222,14 @@ class MoE(nn.Module):
         """Each choice to one replica of its expert when the layer balances its experts,
         counted here or where the low-latency dispatch receives it. A CUDA graph's padding
         rows (`StepMetadata.real_rows`) go nowhere (-1): no expert computes them."""
-        weights, ids = self.gate.select(state.pop("router_logits"))
         step = state.step if "step" in state else None  # MoE.forward runs without one
         real = None if step is None else step.real_rows
+        weights, ids = self.gate.select(state.pop("router_logits"), real)
         if self.location is not None:
             ids = self.location.to_physical(ids)
             if "low_latency" not in state:
-                self.location.count(ids, real)
-        state.topk_weights = weights
-        state.topk_ids = ids if real is None else ids.masked_fill(~real[:, None], -1)
+                self.location.count(ids)
+        state.topk_weights, state.topk_ids = weights, ids
 
     def op_dispatch_a(self, state):
         x, weights, ids = state.mlp_in, state.pop("topk_weights"), state.pop("topk_ids")

@@ -1,6 +1,6 @@
 """Rotary embedding as one operator, `ref_server::rope`, with a Triton kernel on CUDA; and
 `ref_server::rope_into`, the same written into a given view (say the rope columns of a query
-buffer).
+buffer), or in place.
 
 The math (`layers.rotate`'s before these operators): x `[..., n, heads, rope]` split into
 pairs (x1, x2), the even and odd dims with interleave (DeepSeek's layout), else its two
@@ -89,13 +89,20 @@ def check_destination(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def check_no_overlap(x: torch.Tensor, out: torch.Tensor) -> None:
-    """ValueError where out's memory may overlap x's: the kernel's threads write some values
-    before others have read them."""
-    if x.numel() == 0 or out.numel() == 0:
+    """ValueError where out's memory overlaps x's other than as x itself (in place, where
+    the kernel reads a program's values before it writes any): elsewhere the kernel's threads
+    would write some values before others have read them."""
+    if x.numel() == 0 or out.numel() == 0 or same_view(x, out):
         return
     (x_start, x_end), (out_start, out_end) = _byte_span(x), _byte_span(out)
     if x_start < out_end and out_start < x_end:
         raise ValueError("out must not overlap x in memory")
+
+
+def same_view(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether out is x's memory seen as x sees it (rotating in place)."""
+    same_layout = (x.shape, x.stride(), x.dtype) == (out.shape, out.stride(), out.dtype)
+    return same_layout and x.data_ptr() == out.data_ptr()
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -138,7 +145,8 @@ def _rope_into_reference(
     """`rope` written into out, a view of x's shape and dtype on x's device (a slice of wider
     rows, say the rope columns of a query buffer): its last dim contiguous, its dims before
     `[n, heads, rope]` merging into one, the memory it spans apart from the memory x spans
-    (other columns of x's own rows do not qualify). Only out's values are written."""
+    (other columns of x's own rows do not qualify), or x itself (in place). Only out's
+    values are written."""
     check_inputs(x, cos, sin)
     check_destination(x, out)
     check_no_overlap(x, out)
@@ -210,6 +218,7 @@ def triton_rope(
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
+    in_place = same_view(x, out)
     cos, sin = cos.contiguous(), sin.contiguous()
     rows, out_rows = _as_rows(x, copy=True), _as_rows(out, copy=False)
     batch, tokens, heads, _ = rows.shape
@@ -229,6 +238,7 @@ def triton_rope(
             *rows.stride()[:3],
             *out_rows.stride()[:3],
             INTERLEAVE=interleave,
+            IN_PLACE=in_place,
             HEAD_BLOCK=head_block,
             PAIR_BLOCK=pair_block,
             num_warps=max(head_block * pair_block // 128, 1),
@@ -269,6 +279,7 @@ def _rope_kernel(
     out_token_stride,
     out_head_stride,
     INTERLEAVE: tl.constexpr,  # pair i is dims (2i, 2i + 1), else (i, half + i)
+    IN_PLACE: tl.constexpr,  # out is x: every thread reads before any writes
     HEAD_BLOCK: tl.constexpr,  # heads a program rotates
     PAIR_BLOCK: tl.constexpr,  # the power of two at or above half
 ):
@@ -289,6 +300,8 @@ def _rope_kernel(
     x2 = tl.load(x_head + second, mask=inside).to(tl.float32)
     c = tl.load(cos + token * half + pair, mask=in_pairs).to(tl.float32)
     s = tl.load(sin + token * half + pair, mask=in_pairs).to(tl.float32)
+    if IN_PLACE:  # a thread's values are others' to write (the pairs de-interleave)
+        tl.debug_barrier()
     dtype = out.dtype.element_ty
     rotated_first = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
     rotated_second = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)

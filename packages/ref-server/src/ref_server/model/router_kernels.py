@@ -46,7 +46,12 @@ MAX_EXPERTS = 1024
 
 
 def check_inputs(
-    logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, k: int
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    k: int,
+    real_rows: torch.Tensor | None = None,
 ) -> None:
     """ValueError naming what is wrong, if anything (see `moe_route` for valid arguments)."""
     if logits.dim() != 2:
@@ -76,6 +81,18 @@ def check_inputs(
         raise ValueError(
             f"k ({k}) must be in 1..the experts of the kept groups ({topk_group} x {group_size})"
         )
+    if real_rows is not None:
+        n = logits.shape[0]
+        if real_rows.dtype != torch.bool or tuple(real_rows.shape) != (n,):
+            raise ValueError(
+                f"real_rows must be [{n}] bool (one per row of logits), got "
+                f"{tuple(real_rows.shape)} {real_rows.dtype}"
+            )
+        if real_rows.device != logits.device:
+            raise ValueError(
+                f"logits and real_rows must be on one device: logits is on {logits.device}, "
+                f"real_rows on {real_rows.device}"
+            )
 
 
 def _nan_last(values: torch.Tensor) -> torch.Tensor:
@@ -95,13 +112,15 @@ def _moe_route_reference(
     k: int,
     norm_topk_prob: bool,
     scaling: float,
+    real_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's k experts and their weights: logits `[n, E]` fp32 (the router GEMM's,
     before the sigmoid), bias `[E]` (e_score_correction_bias: fp32, bf16 or fp16, taken as
     fp32); E divisible by n_group, 1 <= topk_group <= n_group, 1 <= k <= topk_group * E /
-    n_group. Out: weights `[n, k]` fp32 and ids `[n, k]` int64, both contiguous, slot j the
-    (j+1)-th best choice. See the module docstring for the math, the ties and NaN."""
-    check_inputs(logits, bias, n_group, topk_group, k)
+    n_group; real_rows `[n]` bool or None (every row real). Out: weights `[n, k]` fp32 and
+    ids `[n, k]` int64, both contiguous, slot j the (j+1)-th best choice; a row that is not
+    real gets weights 0 and ids -1. See the module docstring for the math, the ties and NaN."""
+    check_inputs(logits, bias, n_group, topk_group, k, real_rows)
     n, experts = logits.shape
     scores = logits.sigmoid()
     choice = _nan_last(scores + bias.float())
@@ -119,24 +138,29 @@ def _moe_route_reference(
     weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    weights = weights * scaling
+    if real_rows is not None:
+        padding = ~real_rows[:, None]
+        weights, ids = weights.masked_fill(padding, 0.0), ids.masked_fill(padding, -1)
+    return weights, ids
 
 
 moe_route = torch.library.custom_op("ref_server::moe_route", _moe_route_reference, mutates_args=())
 
 
 @moe_route.register_fake
-def _(logits, bias, n_group, topk_group, k, norm_topk_prob, scaling):
-    check_inputs(logits, bias, n_group, topk_group, k)
+def _(logits, bias, n_group, topk_group, k, norm_topk_prob, scaling, real_rows=None):
+    check_inputs(logits, bias, n_group, topk_group, k, real_rows)
     n = logits.shape[0]
     return logits.new_empty(n, k), logits.new_empty(n, k, dtype=torch.int64)
 
 
 @moe_route.register_kernel("cuda")
-def _(logits, bias, n_group, topk_group, k, norm_topk_prob, scaling):
+def _(logits, bias, n_group, topk_group, k, norm_topk_prob, scaling, real_rows=None):
+    args = (logits, bias, n_group, topk_group, k, norm_topk_prob, scaling, real_rows)
     if logits.dim() == 2 and logits.shape[1] <= MAX_EXPERTS:
-        return triton_moe_route(logits, bias, n_group, topk_group, k, norm_topk_prob, scaling)
-    return _moe_route_reference(logits, bias, n_group, topk_group, k, norm_topk_prob, scaling)
+        return triton_moe_route(*args)
+    return _moe_route_reference(*args)
 
 
 def triton_moe_route(
@@ -147,11 +171,12 @@ def triton_moe_route(
     k: int,
     norm_topk_prob: bool,
     scaling: float,
+    real_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_route` through the Triton kernel: the same arguments, E at most MAX_EXPERTS, on
     one CUDA device (or on the CPU with TRITON_INTERPRET=1). Rows of logits may lie any stride
     apart; a last dim that is not contiguous is copied first."""
-    check_inputs(logits, bias, n_group, topk_group, k)
+    check_inputs(logits, bias, n_group, topk_group, k, real_rows)
     n, experts = logits.shape
     if experts > MAX_EXPERTS:
         raise ValueError(f"the kernel takes at most {MAX_EXPERTS} experts, got {experts}")
@@ -173,6 +198,7 @@ def triton_moe_route(
             bias.contiguous(),
             weights,
             ids,
+            real_rows,
             logits.stride(0),
             scaling,
             GROUPS=groups,
@@ -180,6 +206,7 @@ def triton_moe_route(
             TOPK_GROUP=topk_group,
             K=k,
             NORMALIZE=norm_topk_prob,
+            HAS_REAL_ROWS=real_rows is not None,
             LIBDEVICE_EXP=logits.is_cuda,
             GROUPS_BLOCK=triton.next_power_of_2(groups),
             GROUP_BLOCK=triton.next_power_of_2(group_size),
@@ -207,6 +234,7 @@ def _moe_route_kernel(
     bias,  # [GROUPS * GROUP_SIZE] fp32, bf16 or fp16, contiguous
     weights,  # fp32 [n, K], contiguous
     ids,  # int64 [n, K], contiguous
+    real_rows,  # bool [n] (with HAS_REAL_ROWS): rows that are tokens
     logits_stride,
     scaling,  # fp32
     GROUPS: tl.constexpr,  # groups to rank (1: every group is kept)
@@ -214,6 +242,7 @@ def _moe_route_kernel(
     TOPK_GROUP: tl.constexpr,  # groups kept
     K: tl.constexpr,  # experts taken
     NORMALIZE: tl.constexpr,  # norm_topk_prob
+    HAS_REAL_ROWS: tl.constexpr,
     # libdevice's expf (tl.exp is ex2.approx, a few ulp off for large |x|); the interpreter,
     # which has no libdevice, takes numpy's exp
     LIBDEVICE_EXP: tl.constexpr,
@@ -223,7 +252,8 @@ def _moe_route_kernel(
 ):
     """Program t routes token t: the k best choices (score + bias) of the experts in the
     TOPK_GROUP groups of best top-two sums, ties to the lower id, NaN as -inf; their scores,
-    normalized, times scaling. See the module docstring."""
+    normalized, times scaling; for a row that is no token, weights 0 and ids -1. See the
+    module docstring."""
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_BLOCK)
     member = tl.arange(0, GROUP_BLOCK)[None, :]
@@ -265,6 +295,11 @@ def _moe_route_kernel(
         eligible = eligible & ~taken
     if NORMALIZE:
         routed = tl.math.div_rn(routed, tl.sum(routed, axis=0) + 1e-20)
+    routed = routed * scaling
+    if HAS_REAL_ROWS:
+        real_row = tl.load(real_rows + token)
+        routed = tl.where(real_row, routed, 0.0)
+        routed_ids = tl.where(real_row, routed_ids, -1)
     in_k = slot < K
-    tl.store(weights + token * K + slot, routed * scaling, mask=in_k)
+    tl.store(weights + token * K + slot, routed, mask=in_k)
     tl.store(ids + token * K + slot, routed_ids.to(tl.int64), mask=in_k)

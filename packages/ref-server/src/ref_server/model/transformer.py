@@ -182,6 +182,7 @@ class Transformer(nn.Module):
             logits = torch.cat([logits[: a_rows - 1], logits[a_rows:]])
         return logits
 
+    @torch.no_grad()
     def run_step(
         self,
         inputs,
