@@ -437,7 +437,7 @@ def fp8_expert_parallel_matches_one_process(rank: int, world: int, group, path: 
     ep = M.from_pretrained(path, dtype=torch.bfloat16, group=group, weight_dtype="fp8")
     one = M.from_pretrained(path, dtype=torch.bfloat16, weight_dtype="fp8")
     experts = ep.layers[1].mlp.experts
-    assert experts.gate_proj.dtype == torch.float8_e4m3fn and experts.num_experts == 8 // world
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.num_experts == 8 // world
     prompt = list(range(5 + rank, 17 + 2 * rank))  # lengths differ by rank
     assert greedy_steps(ep, prompt, 16) == greedy_steps(one, prompt, 16)
 

@@ -140,8 +140,14 @@ def test_the_loader_keeps_fp8_checkpoints_in_fp8_and_quantizes_bf16_ones_alike(
     moe = model.layers[1].mlp
     assert isinstance(moe.experts, FP8Experts)
     assert isinstance(moe.shared_experts.gate_up_proj, FP8Linear)
-    up = stored["model.layers.1.mlp.experts.5.up_proj.weight"]
-    assert torch.equal(moe.experts.up_proj[5].view(torch.uint8), up.view(torch.uint8))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        checkpoint = f"model.layers.1.mlp.experts.5.{name}.weight"
+        weight, scale = views[checkpoint]
+        assert torch.equal(weight.view(torch.uint8), stored[checkpoint].view(torch.uint8))
+        assert torch.equal(scale, stored[checkpoint + "_scale_inv"])
+    # each expert's gate_proj (32 rows), zeros up to the next 128-row block, its up_proj
+    assert moe.experts.gate_up_parts.at == {"gate_proj": (0, 32), "up_proj": (128, 32)}
+    assert not moe.experts.gate_up_proj[:, 32:128].view(torch.uint8).any()
     assert moe.experts.down_proj_scale_inv.shape == (8, 1, 1)
     for kept in (model.embed_tokens.weight, model.lm_head.weight, moe.gate.weight):
         assert kept.dtype == torch.float32

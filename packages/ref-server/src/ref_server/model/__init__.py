@@ -21,7 +21,7 @@ from ref_server.model.cache import PagedKVCache
 from ref_server.model.checkpoint import CheckpointError, init_random, load_weights, read_config
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
-from ref_server.model.fp8 import FP8Linear, use_fp8
+from ref_server.model.fp8 import FP8Experts, FP8Linear, use_fp8
 from ref_server.model.generate import generate
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import SamplingParams
@@ -80,7 +80,7 @@ def _build(
             use_fp8(model)  # after .to(dtype), which would convert FP8 tensors too
     model = model.to_empty(device=device)
     for module in model.modules():
-        if isinstance(module, FP8Linear):
+        if isinstance(module, (FP8Linear, FP8Experts)):
             module.zero_padding()
     for i, moe in enumerate(model.moe_layers()):
         if moe.location is not None:

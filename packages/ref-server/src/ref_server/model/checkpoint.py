@@ -88,15 +88,16 @@ def checkpoint_tensors(
         if parts[2:4] != ["mlp", "experts"]:
             yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
             continue
-        experts = model.layers[int(parts[1])].mlp.slot_experts()
+        moe = model.layers[int(parts[1])].mlp
+        experts = moe.slot_experts()
         for e in range(tensor.shape[0]):
             prefix = f"model.layers.{parts[1]}.mlp.experts.{experts[e]}."
-            if parts[4] == "gate_up_proj":
-                gate, up = tensor[e].chunk(2, dim=0)
-                yield prefix + "gate_proj.weight", gate, None
-                yield prefix + "up_proj.weight", up, None
-            else:  # down_proj, or FP8Experts' gate_proj and up_proj
+            if parts[4] != "gate_up_proj":
                 yield prefix + parts[4] + ".weight", tensor[e], None if scale is None else scale[e]
+                continue
+            for part, (first, rows) in moe.experts.gate_up_parts.at.items():
+                part_scale = None if scale is None else scale[e, first // BLOCK :][: blocks(rows)]
+                yield f"{prefix}{part}.weight", tensor[e, first : first + rows], part_scale
 
 
 def checked_scales(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -116,30 +116,32 @@ class FP8Linear(nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv).to(dtype)
 
     def zero_padding(self) -> None:
-        """Zero the rows after each part up to the next block (no checkpoint tensor fills
-        them; their outputs are dropped, and zeros keep the buffer's bytes deterministic)."""
-        if not hasattr(self, "row_parts"):
-            return
-        places = list(self.row_parts.at.values())
-        starts = [first for first, _ in places[1:]] + [self.out_features]
-        with torch.no_grad():
-            for (first, rows), start in zip(places, starts, strict=True):
-                self.weight[first + rows : start].view(torch.uint8).zero_()
+        """Zero the rows between parts (no checkpoint tensor fills them; their outputs are
+        dropped, and zeros keep the buffer's bytes deterministic)."""
+        if hasattr(self, "row_parts"):
+            zero_between_parts(self.weight, self.row_parts)
+
+
+def zero_between_parts(weight: torch.Tensor, row_parts: RowParts) -> None:
+    """Zero the rows of an FP8 weight `[..., rows, in]` after each part up to the next."""
+    places = list(row_parts.at.values())
+    starts = [first for first, _ in places[1:]] + [row_parts.rows]
+    with torch.no_grad():
+        for (first, rows), start in zip(places, starts, strict=True):
+            weight[..., first + rows : start, :].view(torch.uint8).zero_()
 
 
 class FP8Experts(RoutedExperts):
-    """This rank's routed experts in FP8: gate_proj and up_proj `[e, inter, hidden]`, down_proj
-    `[e, hidden, inter]` e4m3, each with `<name>_scale_inv` `[e, ceil(out/128), ceil(in/128)]`
-    fp32. Gate and up stay separate tensors (bf16 `Experts` stacks them) so that each keeps
-    the checkpoint's 128 x 128 blocks when inter is not a multiple of 128; both are multiplied
-    with the same quantized rows."""
-
-    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    """This rank's routed experts in FP8: gate_up_proj `[e, rows, hidden]`, each expert's
+    gate_proj and up_proj stacked by rows as one GEMM (`gate_up_parts`; up_proj starts at a row
+    that begins a 128-row block, so that each keeps the checkpoint's blocks, with zero rows
+    between where inter is not a multiple of 128), and down_proj `[e, hidden, inter]`, e4m3,
+    each with `<name>_scale_inv` `[e, ceil(out/128), ceil(in/128)]` fp32."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__(num_experts)
-        shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden)}
-        shapes["down_proj"] = (hidden, inter)
+        self.gate_up_parts = RowParts({"gate_proj": inter, "up_proj": inter}, align=BLOCK)
+        shapes = {"gate_up_proj": (self.gate_up_parts.rows, hidden), "down_proj": (hidden, inter)}
         for name, (rows, cols) in shapes.items():
             self.register_buffer(name, torch.empty(num_experts, rows, cols, dtype=FP8))
             scales = torch.empty(num_experts, blocks(rows), blocks(cols), dtype=torch.float32)
@@ -169,8 +171,12 @@ class FP8Experts(RoutedExperts):
             weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
             return fp8_block_gemm(*rows, weight, scales, offsets, dtype, counts)
 
-        hidden = silu_mul_fp8(project(rows, "gate_proj"), project(rows, "up_proj"))
-        return project(hidden, "down_proj")
+        gate, up = self.gate_up_parts.split(project(rows, "gate_up_proj"))
+        return project(silu_mul_fp8(gate, up), "down_proj")
+
+    def zero_padding(self) -> None:
+        """Zero gate_up_proj's rows between gate and up (see `FP8Linear.zero_padding`)."""
+        zero_between_parts(self.gate_up_proj, self.gate_up_parts)
 
 
 def use_fp8(model: nn.Module) -> None:

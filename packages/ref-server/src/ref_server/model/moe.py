@@ -17,7 +17,7 @@ from ref_server.model.expert_gemm import expert_gemm
 from ref_server.model.expert_location import ExpertLocation
 from ref_server.model.expert_parallel import Dispatched, Packed
 from ref_server.model.expert_sort import moe_sort_by_expert_and_gather
-from ref_server.model.layers import MLP
+from ref_server.model.layers import MLP, RowParts
 from ref_server.model.router_kernels import moe_route
 
 
@@ -135,10 +135,12 @@ class RoutedExperts(nn.Module):
 
 class Experts(RoutedExperts):
     """This rank's routed experts, stacked (SwiGLU MLPs): gate_up_proj `[e, 2 * inter, hidden]`
-    (each expert's gate_proj rows, then its up_proj rows), down_proj `[e, hidden, inter]`."""
+    (each expert's gate_proj rows, then its up_proj rows: `gate_up_parts`), down_proj
+    `[e, hidden, inter]`."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__(num_experts)
+        self.gate_up_parts = RowParts({"gate_proj": inter, "up_proj": inter})
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
