@@ -31,9 +31,9 @@ class Attention(nn.Module):
         self.args = args
         h, heads = args.hidden_size, args.num_attention_heads
         # the projections of the layer's input, as one GEMM
-        q_a = {"q_a_proj": args.q_lora_rank} if args.q_lora_rank else {}
-        q_a = q_a or {"q_proj": heads * args.qk_head_dim}
-        self.qkv_a_proj = FusedLinear(h, q_a | {"kv_a_proj_with_mqa": args.cache_width})
+        q_name = "q_a_proj" if args.q_lora_rank else "q_proj"
+        q_rows = args.q_lora_rank or heads * args.qk_head_dim
+        self.qkv_a_proj = FusedLinear(h, {q_name: q_rows, "kv_a_proj_with_mqa": args.cache_width})
         if args.q_lora_rank:
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
             self.q_b_proj = nn.Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)

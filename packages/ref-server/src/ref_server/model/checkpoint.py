@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ref_server.model.args import ModelArgs
-from ref_server.model.fp8 import BLOCK, blocks, dequantize_blocks, quantize_blocks
+from ref_server.model.fp8 import blocks, dequantize_blocks, quantize_blocks
 from ref_server.model.transformer import Transformer
 
 
@@ -81,9 +81,8 @@ def checkpoint_tensors(
         owner = name.rpartition(".")[0]
         if owner in stacked:
             prefix = "model." + owner.rpartition(".")[0]
-            for part, (first, rows) in stacked[owner].at.items():
-                part_scale = None if scale is None else scale[first // BLOCK :][: blocks(rows)]
-                yield f"{prefix}.{part}.weight", tensor[first : first + rows], part_scale
+            for part, weight, part_scale in stacked[owner].views(tensor, scale):
+                yield f"{prefix}.{part}.weight", weight, part_scale
             continue
         if parts[2:4] != ["mlp", "experts"]:
             yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
@@ -95,9 +94,9 @@ def checkpoint_tensors(
             if parts[4] != "gate_up_proj":
                 yield prefix + parts[4] + ".weight", tensor[e], None if scale is None else scale[e]
                 continue
-            for part, (first, rows) in moe.experts.gate_up_parts.at.items():
-                part_scale = None if scale is None else scale[e, first // BLOCK :][: blocks(rows)]
-                yield f"{prefix}{part}.weight", tensor[e, first : first + rows], part_scale
+            scales = None if scale is None else scale[e]
+            for part, weight, part_scale in moe.experts.gate_up_parts.views(tensor[e], scales):
+                yield f"{prefix}{part}.weight", weight, part_scale
 
 
 def checked_scales(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

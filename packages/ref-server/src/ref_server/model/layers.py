@@ -93,7 +93,7 @@ class RowParts:
     weights keep their parts' 128 x 128 blocks so; the rows between parts are padding)."""
 
     def __init__(self, parts: dict[str, int], align: int = 1) -> None:
-        self.parts = dict(parts)
+        self.parts, self.align = dict(parts), align
         self.at, row = {}, 0
         for name, rows in self.parts.items():
             row = -(-row // align) * align
@@ -104,6 +104,15 @@ class RowParts:
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         """The stacked layer's output `[..., rows]` as each part's `[..., its rows]` (views)."""
         return [y[..., first : first + rows] for first, rows in self.at.values()]
+
+    def views(self, weight: torch.Tensor, scales: torch.Tensor | None = None):
+        """(part name, its rows of weight `[rows, in]`, its rows of an FP8 weight's block
+        scales `[ceil(rows / 128), ceil(in / 128)]` where align is that block, else None)."""
+        for name, (first, rows) in self.at.items():
+            scale_rows = None
+            if scales is not None:
+                scale_rows = scales[first // self.align :][: -(-rows // self.align)]
+            yield name, weight[first : first + rows], scale_rows
 
 
 class FusedLinear(nn.Linear):
