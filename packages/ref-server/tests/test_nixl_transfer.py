@@ -8,6 +8,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 import torch
 
 import ref_server.model as M
+from ref_server.client import Client
+from ref_server.services.deployment import Deployment
 from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable, Pages, cache_pages
 
 PEER = Path(__file__).with_name("nixl_peer.py")
@@ -142,3 +145,41 @@ def test_without_nixl_the_agent_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_nixl)
     with pytest.raises(NixlUnavailable, match=r"nixl is not installed .*: pip install nixl"):
         NixlCache(M.PagedKVCache(M.PRESETS["tiny"], 8, 16))
+
+
+# ---- a deployment whose KV moves through NIXL ----
+
+
+def metric(text: str, name: str) -> float:
+    """A sample's value in Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@needs_nixl
+def test_a_deployment_with_kv_transfer_nixl_serves_what_one_process_generates(serving, capfd):
+    """`--kv-transfer nixl` on loopback (UCX, host memory): the tokens of a one-process model,
+    every page by NIXL (the router's per-method bytes), the agents met once (the decode
+    instance logs the way its pages come when it changes)."""
+    reference = M.from_preset("tiny", seed=4)
+    prompts = [list(range(2, 60)), [9] * 17, list(range(100, 230)), [5, 6, 7]]
+    running = Deployment(serving.config(kv_transfer="nixl"), startup_timeout=120)
+    try:
+        with Client(running.address) as client:
+            for prompt in prompts:
+                want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
+                assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
+        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        running.stop()
+    pages = sum(-(-len(prompt) // 16) for prompt in prompts)
+    page_bytes = LAYERS * PAGE_BYTES
+    assert metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}') == pages * page_bytes
+    assert metric(text, 'ref_server_kv_transfer_bytes_total{method="grpc"}') == 0
+    captured = capfd.readouterr()
+    logged = captured.out + captured.err
+    assert logged.count("comes by a NIXL read (--kv-transfer nixl)") == 1, logged[-3000:]
+    assert "without NIXL" not in logged and "has no NIXL agent" not in logged

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ref_server import __version__, economics
 from ref_server.services.config import (
+    KV_TRANSFERS,
     PRESET_NAMES,
     ROLES,
     TWO_BATCH,
@@ -33,7 +34,7 @@ SETTING_GROUPS = {
     "model": ("preset", "model", "seed", "weight_dtype", "device"),
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-        "max_waiting", "hold_seconds", "two_batch", "two_batch_decode_tokens",
+        "max_waiting", "hold_seconds", "kv_transfer", "two_batch", "two_batch_decode_tokens",
         "two_batch_prefill_tokens", "prefill_graph_tokens",
     ),
     "router": (
@@ -69,6 +70,7 @@ CHOICES = {
     "role": ROLES,
     "preset": PRESET_NAMES,
     "two_batch": TWO_BATCH,
+    "kv_transfer": KV_TRANSFERS,
     "weight_dtype": WEIGHT_DTYPES,
 }
 # `demo` always runs --role all, which sets these itself for its processes.

@@ -13,6 +13,7 @@ from ref_server.config_file import read_toml
 ROLES = ("router", "prefill", "decode", "all")
 TWO_BATCH = ("auto", "on", "off")  # ref_server.engine.model_runner.TWO_BATCH_MODES
 WEIGHT_DTYPES = ("dense", "fp8")
+KV_TRANSFERS = ("auto", "nixl", "cuda_ipc", "grpc")  # ref_server.services.kv_transfer.METHODS
 PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -53,6 +54,12 @@ class ServeConfig:
     max_num_batched_tokens: int = _setting(4096, "tokens per engine step")
     max_model_len: int = _setting(2048, "the longest prompt + max_tokens a request may ask for")
     max_waiting: int = _setting(1024, "queued requests per instance before RESOURCE_EXHAUSTED")
+    kv_transfer: str = _setting(
+        "auto",
+        "how a decode instance gets a prompt's KV pages: auto (CUDA IPC on one host, NIXL across "
+        "hosts, else a gRPC stream), nixl (a one-sided NIXL read, on one host too), cuda_ipc or "
+        "grpc; an unavailable method falls back to the gRPC stream, said in the log",
+    )
     hold_seconds: float = _setting(
         60.0, "lease on a prefill instance's KV: freed after this long unless pulled or released"
     )
@@ -155,6 +162,10 @@ class ServeConfig:
         if self.weight_dtype not in WEIGHT_DTYPES:
             problems.append(
                 f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
+            )
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(
+                f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}"
             )
         if self.two_batch not in TWO_BATCH:
             problems.append(

@@ -19,6 +19,7 @@ from ref_server.services.aio import Events
 from ref_server.services.engine_loop import EngineLoop
 from ref_server.services.kv_transfer import KvPuller, TransferError, new_cache_id, shared_cache
 from ref_server.services.messages import FINISH, BadRequest, page_message, sampling_params
+from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
@@ -67,6 +68,19 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
         self.loop = loop
         self.max_tokens_limit = max_tokens_limit
         self.cache_id = new_cache_id()
+        self.nixl: NixlCache | None = None  # made when a decode instance first asks
+        self.nixl_unavailable: str | None = None
+
+    def _nixl(self) -> NixlCache | None:
+        """The NIXL agent that has this instance's cache registered (started on first use), or
+        None, and why in nixl_unavailable."""
+        if self.nixl is None and self.nixl_unavailable is None:
+            try:
+                self.nixl = NixlCache(self.loop.engine.runner.cache)
+            except NixlUnavailable as error:
+                self.nixl_unavailable = str(error)
+                log.warning("no NIXL KV transfer from this instance: %s", error)
+        return self.nixl
 
     async def Prefill(self, request, context):
         params = await parsed_sampling(request, self.max_tokens_limit, context)
@@ -129,12 +143,22 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
     async def Locate(self, request, context):
         handle = request.kv_handle
         blocks = await self._held(handle, lambda engine: engine.held_blocks(handle), context)
-        return pb.KvBlocks(
+        located = pb.KvBlocks(
             cache_id=self.cache_id, blocks=blocks, lease_seconds=self.loop.hold_seconds
         )
+        if request.nixl_pages and blocks and self.nixl is not None:
+            pages = self.nixl.pages(list(blocks))
+            located.nixl_pages.kind, located.nixl_pages.rows = pages.kind, pages.rows
+        return located
 
     async def ShareCache(self, request, context):
-        return shared_cache(self.loop.engine.runner.cache, self.cache_id)
+        shared = shared_cache(self.loop.engine.runner.cache, self.cache_id)
+        if request.nixl:
+            if (nixl := self._nixl()) is not None:
+                shared.nixl_metadata = nixl.metadata()
+            else:
+                shared.nixl_unavailable = self.nixl_unavailable
+        return shared
 
     async def Release(self, request, context):
         if not await asyncio.wrap_future(self.loop.release(request.kv_handle)):

@@ -1,25 +1,37 @@
 """Moving a prompt's KV pages from a prefill instance into pages a decode instance reserved.
 
-Two ways, chosen per prefill instance. When both caches are on CUDA devices of one host, the
-decode instance maps the prefill instance's cache through CUDA IPC (once) and copies the
-blocks GPU to GPU. Otherwise the pages come as a gRPC stream of bytes through host memory,
-each with its index, handle and checksum, all checked before any is used.
+Three ways, chosen per prefill instance by the decode instance's `--kv-transfer` (METHODS).
+When both caches are on CUDA devices of one host, the decode instance maps the prefill
+instance's cache through CUDA IPC (once) and copies the blocks GPU to GPU (auto, cuda_ipc).
+Through NIXL (`nixl_transfer`; auto across hosts, nixl anywhere), each instance registers its
+cache with an agent of its own; the agents' metadata cross once per instance pair
+(`ShareCache`), a request's page descriptors with `Locate`, and the decode instance reads the
+pages one-sided into its blocks. Otherwise, or when the chosen way is not available (an agent
+that did not start, another host for CUDA IPC), the pages come as a gRPC stream of bytes
+through host memory, each with its index, handle and checksum, all checked before any is
+used. The way each prefill instance's pages come, and why, is logged when it is first used
+and whenever it changes.
 
 The prefill instance holds the pages under a lease: `Locate` and `Pull` renew it, `Release`
 ends it, and it answers NOT_FOUND when the lease ran out first. `Pull` reads the pages on the
-prefill engine's thread while the lease holds. A CUDA IPC copy reads the prefill cache
-directly, so it counts only if `Release` then finds the lease intact: pages freed during the
-copy could have been overwritten by another prompt.
+prefill engine's thread while the lease holds. A CUDA IPC copy and a NIXL read take the
+prefill cache's memory directly, so they count only if `Release` then finds the lease intact:
+pages freed during the copy could have been overwritten by another prompt. Whatever fails,
+the lease is released and the request fails (`TransferError`); the decode instance frees the
+pages it reserved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -30,9 +42,14 @@ from ref_server.services.security import internal_channel
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
+log = logging.getLogger(__name__)
+
 TRANSFER_TIMEOUT = 60.0
 MAX_MESSAGE_BYTES = 64 << 20
 GRPC, CUDA_IPC = pb.KV_TRANSFER_METHOD_GRPC, pb.KV_TRANSFER_METHOD_CUDA_IPC
+NIXL = pb.KV_TRANSFER_METHOD_NIXL
+METHODS = ("auto", "nixl", "cuda_ipc", "grpc")
+NAMES = {GRPC: "a gRPC stream", CUDA_IPC: "CUDA IPC", NIXL: "a NIXL read"}
 
 
 class TransferError(RuntimeError):
@@ -97,17 +114,34 @@ def _open(m: pb.CudaIpcTensor) -> torch.Tensor:
     )
 
 
+@dataclass(frozen=True)
+class NixlPeer:
+    """A prefill instance's NIXL agent as this side knows it (from one `ShareCache`)."""
+
+    cache_id: str
+    agent: str  # its name in this side's agent
+    same_host: bool
+
+
 class KvPuller:
     """The decode side: fills reserved blocks of `runner`'s cache from registered prefill
-    instances (`set_peers`, called by the router); it dials no other address."""
+    instances (`set_peers`, called by the router); it dials no other address. method: one of
+    METHODS (see the module docstring)."""
 
-    def __init__(self, runner, secret: str) -> None:
+    def __init__(self, runner, secret: str, method: str = "auto") -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.runner = runner
         self.secret = secret
+        self.method = method
         args = runner.model.args
         self.page_shape = (args.num_hidden_layers, runner.cache.page_size, args.cache_width)
         self.peers: dict[str, grpc.aio.Channel] = {}
         self.mapped: dict[str, tuple[str, list[torch.Tensor]] | None] = {}  # None: not shareable
+        self.nixl = None  # this side's agent, started when a transfer first wants one
+        self.why_not_nixl: str | None = None  # why it could not start
+        self.nixl_peers: dict[str, NixlPeer | None] = {}  # None: no NIXL from that instance
+        self.chosen: dict[str, tuple[int, str]] = {}  # address -> (method, why), as logged
 
     def set_peers(self, addresses: list[str]) -> None:
         """Dial only these prefill instances; drop what was kept for others (their channels,
@@ -115,6 +149,7 @@ class KvPuller:
         for address in set(self.peers) - set(addresses):
             background(self.peers.pop(address).close())
             self.mapped.pop(address, None)
+            self.nixl_peers.pop(address, None)
         for address in addresses:
             if address not in self.peers:
                 self.peers[address] = internal_channel(
@@ -138,7 +173,12 @@ class KvPuller:
         transfer = rpc.KvTransferStub(self.peers[address])
         handle = pb.PullRequest(kv_handle=kv_handle)
         try:
-            method = await self._copy_mapped(transfer, address, handle, targets, num_pages)
+            method, why = None, f"--kv-transfer {self.method}"
+            if self.method in ("auto", "cuda_ipc"):
+                method = await self._copy_mapped(transfer, address, handle, targets, num_pages)
+                why = "both caches on CUDA devices of one host" if method else why
+            if method is None and self.method in ("auto", "nixl"):
+                method, why = await self._read_nixl(transfer, address, handle, targets, num_pages)
             if method is None:
                 await self._stream(transfer, handle, targets, num_pages)
                 method = GRPC
@@ -149,9 +189,74 @@ class KvPuller:
             await self._release(transfer, kv_handle)
             raise TransferError(str(error)) from None
         released = await self._release(transfer, kv_handle)
-        if method == CUDA_IPC and not released:  # a stream was read under the lease; a copy not
+        if method != GRPC and not released:  # a stream was read under the lease; a copy not
             raise TransferError("the prefill instance's lease on the KV ran out during the copy")
+        if self.chosen.get(address) != (method, why):
+            self.chosen[address] = (method, why)
+            log.info("KV from %s comes by %s (%s)", address, NAMES[method], why)
         return method
+
+    async def _read_nixl(self, transfer, address, handle, targets, num_pages):
+        """(NIXL, why) once the pages are read into their blocks, or (None, why NIXL was not
+        used). The peer's agent is met once per pair (again after it restarts)."""
+        peer = await self._nixl_peer(transfer, address)
+        if peer is None:
+            return None, self.why_not_nixl or "no NIXL from that instance"
+        if self.method == "auto" and peer.same_host:
+            return None, "one host, not both caches on CUDA devices (auto: NIXL across hosts)"
+        asked = pb.PullRequest(kv_handle=handle.kv_handle, nixl_pages=True)
+        located = await transfer.Locate(asked, timeout=TRANSFER_TIMEOUT)
+        if located.cache_id != peer.cache_id:  # it restarted since: meet its new agent
+            self.nixl_peers.pop(address, None)
+            return None, "the prefill instance restarted"
+        if len(located.blocks) != num_pages or not located.nixl_pages.rows:
+            raise ValueError(f"{len(located.blocks)} pages located, {num_pages} were prefilled")
+        from ref_server.services.nixl_transfer import Pages
+
+        rows = np.frombuffer(located.nixl_pages.rows, dtype="<i8")
+        layers = len(self.runner.cache.layers)
+        if rows.size != layers * num_pages * 3:
+            raise ValueError(f"{rows.size // 3} page descriptors for {layers} x {num_pages} pages")
+        wanted = rows.reshape(layers, num_pages, 3)[:, [index for index, _ in targets]]
+        pages = Pages(located.nixl_pages.kind, np.ascontiguousarray(wanted).tobytes())
+        blocks = [block for _, block in targets]
+        await asyncio.to_thread(self.nixl.read, peer.agent, pages, blocks, TRANSFER_TIMEOUT)
+        return NIXL, "across hosts" if self.method == "auto" else "--kv-transfer nixl"
+
+    async def _nixl_peer(self, transfer, address) -> NixlPeer | None:
+        """The prefill instance's agent, met on first use: None where NIXL is not for it (auto
+        on one host, where neither agent starts) or cannot be (an agent did not start)."""
+        if address in self.nixl_peers:
+            return self.nixl_peers[address]
+        peer = None
+        share = pb.ShareCacheRequest(nixl=self.method == "nixl")
+        shared = await transfer.ShareCache(share, timeout=TRANSFER_TIMEOUT)
+        same_host = shared.host_id == host_id()
+        if self.method == "auto" and same_host:
+            peer = NixlPeer(shared.cache_id, "", same_host)
+        elif self._start_nixl():
+            if not share.nixl:
+                share.nixl = True
+                shared = await transfer.ShareCache(share, timeout=TRANSFER_TIMEOUT)
+            if shared.nixl_metadata:
+                agent = await asyncio.to_thread(self.nixl.connect, shared.nixl_metadata)
+                peer = NixlPeer(shared.cache_id, agent, same_host)
+            else:
+                log.warning("%s has no NIXL agent: %s", address, shared.nixl_unavailable)
+        self.nixl_peers[address] = peer
+        return peer
+
+    def _start_nixl(self) -> bool:
+        """Whether this side's agent runs (started on first call; why not, logged once)."""
+        if self.nixl is None and self.why_not_nixl is None:
+            from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable
+
+            try:
+                self.nixl = NixlCache(self.runner.cache)
+            except NixlUnavailable as error:
+                self.why_not_nixl = f"no NIXL agent here: {error}"
+                log.warning("KV transfer without NIXL: %s", error)
+        return self.nixl is not None
 
     async def _release(self, transfer, kv_handle: str) -> bool:
         """End the lease; whether it was still intact."""

@@ -40,7 +40,11 @@ from ref_server.services.workers import Worker, WorkerPool
 from ref_server.v1 import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
-TRANSFER_LABELS = {pb.KV_TRANSFER_METHOD_GRPC: "grpc", pb.KV_TRANSFER_METHOD_CUDA_IPC: "cuda_ipc"}
+TRANSFER_LABELS = {
+    pb.KV_TRANSFER_METHOD_GRPC: "grpc",
+    pb.KV_TRANSFER_METHOD_CUDA_IPC: "cuda_ipc",
+    pb.KV_TRANSFER_METHOD_NIXL: "nixl",
+}
 RETRY_AFTER_S = 1.0
 
 

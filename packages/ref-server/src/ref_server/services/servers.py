@@ -257,7 +257,7 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
         rpc.add_PrefillServicer_to_server(service, server)
         rpc.add_KvTransferServicer_to_server(service, server)
     else:
-        puller = KvPuller(engine.runner, secret)
+        puller = KvPuller(engine.runner, secret, config.kv_transfer)
         rpc.add_InstanceServicer_to_server(InstanceService(loop, info, puller), server)
         rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len, puller), server)
     port = _listen(server, config)

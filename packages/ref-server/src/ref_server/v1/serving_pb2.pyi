@@ -18,6 +18,7 @@ class KvTransferMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TRANSFER_METHOD_UNSPECIFIED: _ClassVar[KvTransferMethod]
     KV_TRANSFER_METHOD_GRPC: _ClassVar[KvTransferMethod]
     KV_TRANSFER_METHOD_CUDA_IPC: _ClassVar[KvTransferMethod]
+    KV_TRANSFER_METHOD_NIXL: _ClassVar[KvTransferMethod]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -25,6 +26,7 @@ FINISH_REASON_ABORT: FinishReason
 KV_TRANSFER_METHOD_UNSPECIFIED: KvTransferMethod
 KV_TRANSFER_METHOD_GRPC: KvTransferMethod
 KV_TRANSFER_METHOD_CUDA_IPC: KvTransferMethod
+KV_TRANSFER_METHOD_NIXL: KvTransferMethod
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop", "stop_token_ids", "seed")
@@ -263,10 +265,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_handle: _Optional[str] = ..., num_pages: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("kv_handle",)
+    __slots__ = ("kv_handle", "nixl_pages")
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_PAGES_FIELD_NUMBER: _ClassVar[int]
     kv_handle: str
-    def __init__(self, kv_handle: _Optional[str] = ...) -> None: ...
+    nixl_pages: bool
+    def __init__(self, kv_handle: _Optional[str] = ..., nixl_pages: bool = ...) -> None: ...
 
 class KvPage(_message.Message):
     __slots__ = ("index", "data", "dtype", "kv_handle", "crc32")
@@ -283,8 +287,10 @@ class KvPage(_message.Message):
     def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., kv_handle: _Optional[str] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ShareCacheRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("nixl",)
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    nixl: bool
+    def __init__(self, nixl: bool = ...) -> None: ...
 
 class CudaIpcTensor(_message.Message):
     __slots__ = ("size", "stride", "offset", "dtype", "device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -315,24 +321,38 @@ class CudaIpcTensor(_message.Message):
     def __init__(self, size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: bool = ...) -> None: ...
 
 class SharedCache(_message.Message):
-    __slots__ = ("cache_id", "host_id", "layers")
+    __slots__ = ("cache_id", "host_id", "layers", "nixl_metadata", "nixl_unavailable")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     host_id: str
     layers: _containers.RepeatedCompositeFieldContainer[CudaIpcTensor]
-    def __init__(self, cache_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ...) -> None: ...
+    nixl_metadata: bytes
+    nixl_unavailable: str
+    def __init__(self, cache_id: _Optional[str] = ..., host_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[CudaIpcTensor, _Mapping]]] = ..., nixl_metadata: _Optional[bytes] = ..., nixl_unavailable: _Optional[str] = ...) -> None: ...
+
+class NixlPages(_message.Message):
+    __slots__ = ("kind", "rows")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    rows: bytes
+    def __init__(self, kind: _Optional[str] = ..., rows: _Optional[bytes] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
-    __slots__ = ("cache_id", "blocks", "lease_seconds")
+    __slots__ = ("cache_id", "blocks", "lease_seconds", "nixl_pages")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_PAGES_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     blocks: _containers.RepeatedScalarFieldContainer[int]
     lease_seconds: float
-    def __init__(self, cache_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    nixl_pages: NixlPages
+    def __init__(self, cache_id: _Optional[str] = ..., blocks: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ..., nixl_pages: _Optional[_Union[NixlPages, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("kv_handle",)

@@ -525,14 +525,16 @@ class KvTransferServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ShareCache(self, request, context):
-        """For a decode instance on the same host: the KV cache's CUDA IPC handles, one per layer.
+        """For a decode instance on the same host: the KV cache's CUDA IPC handles, one per layer;
+        and, asked for, its NIXL agent's metadata (once per instance pair).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Locate(self, request, context):
-        """The blocks of the shared cache that hold a handle's pages, in order; extends the lease.
+        """The blocks of the shared cache that hold a handle's pages, in order, and, asked for, their
+        NIXL descriptors; extends the lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
