@@ -141,6 +141,7 @@ class KvPuller:
         self.nixl = None  # this side's agent, started when a transfer first wants one
         self.why_not_nixl: str | None = None  # why it could not start
         self.nixl_peers: dict[str, NixlPeer | None] = {}  # None: no NIXL from that instance
+        self.meeting = asyncio.Lock()  # pulls that start together meet a new peer once
         self.chosen: dict[str, tuple[int, str]] = {}  # address -> (method, why), as logged
 
     def set_peers(self, addresses: list[str]) -> None:
@@ -226,8 +227,12 @@ class KvPuller:
     async def _nixl_peer(self, transfer, address) -> NixlPeer | None:
         """The prefill instance's agent, met on first use: None where NIXL is not for it (auto
         on one host, where neither agent starts) or cannot be (an agent did not start)."""
-        if address in self.nixl_peers:
-            return self.nixl_peers[address]
+        async with self.meeting:
+            if address not in self.nixl_peers:
+                self.nixl_peers[address] = await self._meet(transfer, address)
+        return self.nixl_peers[address]
+
+    async def _meet(self, transfer, address) -> NixlPeer | None:
         peer = None
         share = pb.ShareCacheRequest(nixl=self.method == "nixl")
         shared = await transfer.ShareCache(share, timeout=TRANSFER_TIMEOUT)
@@ -243,12 +248,12 @@ class KvPuller:
                 peer = NixlPeer(shared.cache_id, agent, same_host)
             else:
                 log.warning("%s has no NIXL agent: %s", address, shared.nixl_unavailable)
-        self.nixl_peers[address] = peer
         return peer
 
     def _start_nixl(self) -> bool:
         """Whether this side's agent runs (started on first call; why not, logged once)."""
         if self.nixl is None and self.why_not_nixl is None:
+            # imported here: nixl_transfer imports this module (and nixl loads only when used)
             from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable
 
             try:
