@@ -183,3 +183,28 @@ def test_a_deployment_with_kv_transfer_nixl_serves_what_one_process_generates(se
     logged = captured.out + captured.err
     assert logged.count("comes by a NIXL read (--kv-transfer nixl)") == 1, logged[-3000:]
     assert "without NIXL" not in logged and "has no NIXL agent" not in logged
+
+
+@needs_nixl
+def test_agents_that_cannot_start_say_why_and_the_stream_serves(serving, capfd, monkeypatch):
+    """`--kv-transfer nixl` where UCX has no transport (UCX_TLS names none), so that neither
+    instance's agent starts: the pages come by the gRPC stream, and the log says why."""
+    monkeypatch.setenv("UCX_TLS", "no-such-transport")
+    reference = M.from_preset("tiny", seed=4)
+    prompt = list(range(2, 60))
+    running = Deployment(serving.config(kv_transfer="nixl"), startup_timeout=120)
+    try:
+        with Client(running.address) as client:
+            want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
+            assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
+        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        running.stop()
+    page_bytes = LAYERS * PAGE_BYTES
+    assert metric(text, 'ref_server_kv_transfer_bytes_total{method="grpc"}') == 4 * page_bytes
+    assert metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}') == 0
+    captured = capfd.readouterr()
+    logged = captured.out + captured.err
+    assert "no NIXL KV transfer from this instance: a NIXL agent with the UCX backend" in logged
+    assert "comes by a gRPC stream (no NIXL agent here: a NIXL agent" in logged, logged[-3000:]
