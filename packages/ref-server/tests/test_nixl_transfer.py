@@ -5,6 +5,7 @@ which another test module loads."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -17,8 +18,10 @@ import torch
 
 import ref_server.model as M
 from ref_server.client import Client
-from ref_server.services.deployment import Deployment
+from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
+from ref_server.services.kv_transfer import HOST_ID_ENV
 from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable, Pages, cache_pages
+from ref_server.services.security import SECRET_ENV, new_secret
 
 PEER = Path(__file__).with_name("nixl_peer.py")
 LAYERS = M.PRESETS["tiny"].num_hidden_layers
@@ -208,3 +211,45 @@ def test_agents_that_cannot_start_say_why_and_the_stream_serves(serving, capfd, 
     logged = captured.out + captured.err
     assert "no NIXL KV transfer from this instance: a NIXL agent with the UCX backend" in logged
     assert "comes by a gRPC stream (no NIXL agent here: a NIXL agent" in logged, logged[-3000:]
+
+
+@needs_nixl
+def test_instances_on_two_simulated_hosts_move_kv_through_nixl_by_default(serving, capfd):
+    """A prefill instance on 127.0.0.2 and a decode instance on 127.0.0.3 that count as two
+    hosts (HOST_ID_ENV), launched one by one as on separate machines, with the router
+    beside: `--kv-transfer auto` reads the pages through NIXL ("across hosts")."""
+    reference = M.from_preset("tiny", seed=4)
+    config = serving.config()
+    prefill, decode = f"127.0.0.2:{free_port()}", f"127.0.0.3:{free_port()}"
+    router = f"127.0.0.1:{config.port}"
+    env = os.environ | {SECRET_ENV: new_secret()}
+    launches = [
+        (prefill, dict(role="prefill", host="127.0.0.2", port=int(prefill.split(":")[1])), "a"),
+        (decode, dict(role="decode", host="127.0.0.3", port=int(decode.split(":")[1])), "b"),
+        (router, dict(role="router", prefill=[prefill], decode=[decode]), "a"),
+    ]
+    processes = []
+    try:
+        for address, launch, host in launches:
+            command = serve_command(config, **launch)
+            processes.append(subprocess.Popen(command, env=env | {HOST_ID_ENV: host}))
+            wait_serving(address, 120, processes[-1])
+        prompt = list(range(2, 60))
+        want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
+        with Client(router) as client:
+            serving.wait_until(
+                lambda: len(client.server_info().workers) == 2, 30, "both instances registered"
+            )
+            assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
+        url = f"http://127.0.0.1:{config.http_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+    assert (
+        metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}') == 4 * LAYERS * PAGE_BYTES
+    )
+    captured = capfd.readouterr()
+    assert "comes by a NIXL read (across hosts)" in captured.out + captured.err
