@@ -161,21 +161,27 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
+def served_metrics(address: str, http_port: int, prompts: list[list[int]]) -> str:
+    """Each prompt's 8 greedy tokens through the router at address, asserted equal to a
+    one-process tiny model's (the deployments' seed); then the router's metrics text."""
+    reference = M.from_preset("tiny", seed=4)
+    with Client(address) as client:
+        for prompt in prompts:
+            want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
+            assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
+    url = f"http://127.0.0.1:{http_port}/metrics"
+    return urllib.request.urlopen(url, timeout=5).read().decode()
+
+
 @needs_nixl
 def test_a_deployment_with_kv_transfer_nixl_serves_what_one_process_generates(serving, capfd):
     """`--kv-transfer nixl` on loopback (UCX, host memory): the tokens of a one-process model,
     every page by NIXL (the router's per-method bytes), the agents met once (the decode
     instance logs the way its pages come when it changes)."""
-    reference = M.from_preset("tiny", seed=4)
     prompts = [list(range(2, 60)), [9] * 17, list(range(100, 230)), [5, 6, 7]]
     running = Deployment(serving.config(kv_transfer="nixl"), startup_timeout=120)
     try:
-        with Client(running.address) as client:
-            for prompt in prompts:
-                want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
-                assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
-        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        text = served_metrics(running.address, running.config.http_port, prompts)
     finally:
         running.stop()
     pages = sum(-(-len(prompt) // 16) for prompt in prompts)
@@ -193,15 +199,9 @@ def test_agents_that_cannot_start_say_why_and_the_stream_serves(serving, capfd, 
     """`--kv-transfer nixl` where UCX has no transport (UCX_TLS names none), so that neither
     instance's agent starts: the pages come by the gRPC stream, and the log says why."""
     monkeypatch.setenv("UCX_TLS", "no-such-transport")
-    reference = M.from_preset("tiny", seed=4)
-    prompt = list(range(2, 60))
     running = Deployment(serving.config(kv_transfer="nixl"), startup_timeout=120)
     try:
-        with Client(running.address) as client:
-            want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
-            assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
-        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        text = served_metrics(running.address, running.config.http_port, [list(range(2, 60))])
     finally:
         running.stop()
     page_bytes = LAYERS * PAGE_BYTES
@@ -218,7 +218,6 @@ def test_instances_on_two_simulated_hosts_move_kv_through_nixl_by_default(servin
     """A prefill instance on 127.0.0.2 and a decode instance on 127.0.0.3 that count as two
     hosts (HOST_ID_ENV), launched one by one as on separate machines, with the router
     beside: `--kv-transfer auto` reads the pages through NIXL ("across hosts")."""
-    reference = M.from_preset("tiny", seed=4)
     config = serving.config()
     prefill, decode = f"127.0.0.2:{free_port()}", f"127.0.0.3:{free_port()}"
     router = f"127.0.0.1:{config.port}"
@@ -234,15 +233,11 @@ def test_instances_on_two_simulated_hosts_move_kv_through_nixl_by_default(servin
             command = serve_command(config, **launch)
             processes.append(subprocess.Popen(command, env=env | {HOST_ID_ENV: host}))
             wait_serving(address, 120, processes[-1])
-        prompt = list(range(2, 60))
-        want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
         with Client(router) as client:
             serving.wait_until(
                 lambda: len(client.server_info().workers) == 2, 30, "both instances registered"
             )
-            assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
-        url = f"http://127.0.0.1:{config.http_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        text = served_metrics(router, config.http_port, [list(range(2, 60))])
     finally:
         for process in processes:
             process.terminate()
