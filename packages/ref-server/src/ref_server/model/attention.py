@@ -21,6 +21,7 @@ from torch.nn.attention.bias import CausalVariant
 import mla_kernels
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
+from ref_server.model.latent_kernels import cache_latent
 from ref_server.model.layers import FusedLinear, RMSNorm, rotate
 from ref_server.model.rope_kernels import rope_into
 
@@ -43,18 +44,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=False)
         self._kv_b_dequantized = None  # an FP8 kv_b's weight, see `_kv_b_weight`
 
-    def _project(self, x: torch.Tensor, rotation):
-        """x `[..., n, hidden]` (rotation: `Rope` at its positions) to the queries
-        `[..., n, heads, qk_head_dim]`, their rope columns not yet rotated (`_rotate_queries`),
-        the normalized latent `[..., n, kv_lora_rank]` and the rotated shared rope key
-        `[..., n, rope]`."""
+    def _project(self, x: torch.Tensor):
+        """x `[..., n, hidden]` to the queries `[..., n, heads, qk_head_dim]`, their rope
+        columns not yet rotated (`_rotate_queries`), and kv_a_proj_with_mqa's output
+        `[..., n, kv_lora_rank + rope]`, its latent not yet normalized nor its shared rope key
+        rotated (`_latent`, or `cache_latent` into the cache)."""
         a = self.args
-        q, kv = self.qkv_a_proj.row_parts.split(self.qkv_a_proj(x))
+        q, kv_a = self.qkv_a_proj.row_parts.split(self.qkv_a_proj(x))
         q = self.q_b_proj(self.q_a_layernorm(q)) if a.q_lora_rank else q
-        q = q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim))
-        latent, k_rope = kv.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        return q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim)), kv_a
+
+    def _latent(self, kv_a: torch.Tensor, rotation):
+        """kv_a_proj_with_mqa's output to the normalized latent `[..., n, kv_lora_rank]` and
+        the rotated shared rope key `[..., n, rope]` (rotation: `Rope` at its positions)."""
+        a = self.args
+        latent, k_rope = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         k_rope = rotate(k_rope.unsqueeze(-2), rotation, a.rope_interleave).squeeze(-2)
-        return q, self.kv_a_layernorm(latent), k_rope
+        return self.kv_a_layernorm(latent), k_rope
 
     def _rotate_queries(self, q: torch.Tensor, rotation, out: torch.Tensor | None = None) -> None:
         """q's rope columns rotated into out `[..., n, heads, rope]` (q's dtype), or in place:
@@ -85,9 +91,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x `[b, t, hidden]`, a causal pass over whole sequences."""
-        q, latent, k_rope = self._project(x, rotation)
+        q, kv_a = self._project(x)
         self._rotate_queries(q, rotation)
-        k, v = self._decompress(latent, k_rope)
+        k, v = self._decompress(*self._latent(kv_a, rotation))
         return self.o_proj(self._attend(q, k, v, causal=True))
 
     # A cached step's two operations. State in: attn_in `[n, hidden]` (normalized), step
@@ -99,8 +105,10 @@ class Attention(nn.Module):
         if step is None:
             state.attn_query = None
             return
-        q, latent, k_rope = self._project(x, state.rotation)
-        mla_kernels.write_kv_cache(kv, latent, k_rope, step.slot_mapping, check_values=False)
+        q, kv_a = self._project(x)
+        (cos, sin), norm = state.rotation, self.kv_a_layernorm
+        rope_interleave = self.args.rope_interleave
+        cache_latent(kv_a, norm.weight, norm.eps, cos, sin, rope_interleave, kv, step.slot_mapping)
         if step.is_decode:
             state.attn_query = self._absorbed_query(q, state.rotation, kv.dtype)
         else:
