@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import os
 import subprocess
 import time
@@ -73,6 +74,41 @@ def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving
     config = serving.config(seed=SEED, device="cuda", ranks=2)
     reference = M.from_preset("tiny", seed=SEED, dtype=torch.bfloat16, device="cuda")
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
+def test_kv_read_through_nixl_from_gpu_memory_gives_the_tokens_of_cuda_ipc(serving, capfd):
+    """Two tiny deployments on the GPU, `--kv-transfer cuda_ipc` and `--kv-transfer nixl`:
+    the same greedy tokens for prompts that end inside, at and past a page, every page's bytes
+    under its method, and under nixl both agents registered the cache in GPU memory."""
+    prompts = [list(range(2, 60)), [9] * 16, list(range(100, 230)), [5, 6, 7]]
+    page_bytes = M.PRESETS["tiny"].num_hidden_layers * 16 * M.PRESETS["tiny"].cache_width * 2
+    pages = sum(-(-len(prompt) // 16) for prompt in prompts)
+    tokens = {}
+    for method in ("cuda_ipc", "nixl"):
+        config = serving.config(seed=SEED, device="cuda", kv_transfer=method)
+        deployment = Deployment(config, startup_timeout=300)
+        try:
+            with Client(deployment.address) as client:
+                tokens[method] = [
+                    client.generate(prompt, max_tokens=12, timeout=60).token_ids
+                    for prompt in prompts
+                ]
+            url = f"http://127.0.0.1:{config.http_port}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        finally:
+            deployment.stop()
+        moved = f'ref_server_kv_transfer_bytes_total{{method="{method}"}} '
+        assert [
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith(moved)
+        ] == [pages * page_bytes], text
+        assert 'method="grpc"' not in text
+    assert tokens["nixl"] == tokens["cuda_ipc"]
+    assert all(len(t) == 12 for t in tokens["nixl"])
+    logged = "".join(capfd.readouterr())
+    assert logged.count("holds the KV cache: ") == 2, logged[-3000:]  # prefill's and decode's
+    assert logged.count(" MiB of VRAM") == 2
+    assert logged.count("comes by a NIXL read (--kv-transfer nixl)") == 1
 
 
 class SlowCopy(KvPuller):

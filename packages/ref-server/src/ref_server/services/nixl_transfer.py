@@ -98,6 +98,11 @@ class NixlCache:
         self.kind = "VRAM" if cache.device.type == "cuda" else "DRAM"
         self._registration = self.agent.register_memory(cache.layers)
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent's name
+        size = sum(layer.numel() * layer.element_size() for layer in cache.layers)
+        log.info(
+            "NIXL agent %s holds the KV cache: %d layers, %.1f MiB of %s",
+            self.name, len(cache.layers), size / 2**20, self.kind,
+        )  # fmt: skip
 
     def metadata(self) -> bytes:
         """This agent's metadata: what a peer needs to reach it (sent once per pair)."""
