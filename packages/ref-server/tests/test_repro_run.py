@@ -4,6 +4,7 @@ layout's stand-in exchange, the op times to the projection's parts, the syntheti
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -152,3 +153,47 @@ def test_the_v3_slice_is_deepseek_v3_at_the_published_layouts():
     layout = LAYOUTS["v3"]
     assert layout.prefill is shapes.PREFILL_EP32 and layout.decode is shapes.DECODE_EP144
     assert layout.prompt == 4096
+
+
+def test_on_the_cpu_the_host_ahead_context_does_nothing():
+    ahead = slices.HostAhead(torch.device("cpu"))
+    with ahead:
+        pass
+    ahead.count()
+    assert ahead.hidden and ahead.note() == ""
+
+
+@pytest.mark.gpu
+def test_the_gpu_sleeps_while_the_host_enqueues_unless_the_host_waits_for_it():
+    """Small kernels enqueued under HostAhead, the host dawdling between launches, run back
+    to back: events around them measure a fraction of the host's time. A sync inside shows,
+    and doubles the sleep. The untimed steps run the same kernels first: a kernel's first
+    launch loads its module (lazily), which can wait for the sleeping stream."""
+    x = torch.ones(1024, device="cuda")
+    ahead = slices.HostAhead(torch.device("cuda"), cycles=200_000_000)  # about 0.1 s
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def step() -> float:
+        began = time.perf_counter()
+        start.record()
+        for _ in range(100):
+            x.mul_(1.0)
+            dawdle = time.perf_counter() + 2e-5  # busy: time.sleep's slack varies by machine
+            while time.perf_counter() < dawdle:
+                pass
+        end.record()
+        return time.perf_counter() - began
+
+    for _ in range(3):  # the untimed steps, then the timed one
+        with ahead:
+            launched = step()
+    ahead.count()
+    end.synchronize()
+    assert ahead.hidden and ahead.note().endswith("(launch time hidden)")
+    assert start.elapsed_time(end) / 1e3 < 0.25 * launched
+    cycles = ahead.cycles
+    with ahead:
+        x.sum().item()  # the host waits for the stream: nothing is hidden
+    ahead.count()
+    assert not ahead.hidden and ahead.cycles == 2 * cycles
+    assert "1 of 2 steps with the host's time exposed" in ahead.note()

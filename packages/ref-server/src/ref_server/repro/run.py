@@ -166,7 +166,14 @@ def draw(reproduction: Reproduction, path: str) -> None:
         axes.barh(names, values, color=colors)
         axes.invert_yaxis()
         axes.set_xlabel("tokens/s per 8-GPU node")
-        axes.set_title(f"{projection.point.phase} ({projection.device.label})", fontsize=9)
+        bound = (
+            "measured two-batch step"
+            if projection.measured_step
+            else "ideal overlap: an upper bound"
+        )
+        axes.set_title(
+            f"{projection.point.phase}, {bound}\n{projection.device.label}", fontsize=9, loc="right"
+        )
     figure.savefig(path, dpi=120)
 
 

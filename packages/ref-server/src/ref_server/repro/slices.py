@@ -13,9 +13,13 @@ length; decode runs the low-latency mode's (FP8 rows with FP8 experts) over a ca
 many tokens a request.
 
 Each op's time is CUDA events around it on the compute stream (the host's clock on the CPU),
-over eager steps: where the host is slower than the kernels (small decode microbatches) the
-events measure the host, so those parts are upper bounds. The median of `reps` steps, after
-two untimed ones.
+over eager steps, the median of `reps` steps after two untimed ones. On CUDA the host runs
+ahead: the stream first sleeps (`torch.cuda._sleep`) while the host enqueues the whole step,
+then the kernels run back to back, so the events measure the GPU, not Python's launches (which
+made small decode microbatches' parts host times). The untimed steps load every kernel (a
+first launch loads its module, which can wait for the sleeping stream) and lengthen the sleep
+until it outlasts the enqueueing; a timed step whose sleep ended first (a host sync inside it) is
+reported as such in the run's note, its parts then upper bounds.
 """
 
 from __future__ import annotations
@@ -171,26 +175,72 @@ def measure(
     schedule = point.phase
     inputs = [(batch.input_ids, batch.metadata(part.cache, args.num_attention_heads))]
     params = [SamplingParams(temperature=0.8, seed=0)] * len(batch.query_lens)
-    steps = []
+    steps, ahead = [], HostAhead(where)
     with torch.no_grad():
         for rep in range(reps + 2):
             recorder = Recorder(cuda=where.type == "cuda")
-            logits = model.run_step(
-                inputs, part.cache, schedule, recorder=recorder, low_latency=point.phase == "decode"
-            )
+            with ahead:
+                logits = model.run_step(
+                    inputs,
+                    part.cache,
+                    schedule,
+                    recorder=recorder,
+                    low_latency=point.phase == "decode",
+                )
             seconds = _op_seconds(recorder)
             seconds["sampling"] = _timed(where, sample, logits, params, batch.context_lens)
             if rep >= 2:
                 steps.append(seconds)
+                ahead.count()
     medians = {name: statistics.median(step[name] for step in steps) for name in steps[0]}
     gpu = torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
     run = (
         f"{slice_name} slice (hidden {args.hidden_size}), rank 0 of {point.phase} "
         f"EP{point.gpus}, {point.tokens_per_gpu // point.microbatches} tokens a microbatch, "
         f"{weight_dtype or ('bf16' if where.type == 'cuda' else 'float32')} weights, "
-        f"median of {reps} eager steps on {gpu}"
+        f"median of {reps} eager steps on {gpu}{ahead.note()}"
     )
     return LayerTimes.measured(run, **_items(medians)), Device(where.type, gpu)
+
+
+class HostAhead:
+    """On CUDA, a context in which the stream sleeps while the host enqueues (module
+    docstring); elsewhere nothing. `hidden`: whether the last step's enqueueing ended while
+    the stream still slept; a step that was not doubles the sleep for the next."""
+
+    def __init__(self, device: torch.device, cycles: int = 20_000_000) -> None:
+        self.cuda = device.type == "cuda"
+        self.cycles = cycles  # about 10 ms at the H200's 1.98 GHz
+        self.hidden = True
+        self.timed = self.exposed = 0
+
+    def __enter__(self) -> HostAhead:
+        if self.cuda:
+            torch.cuda._sleep(self.cycles)
+            self.slept = torch.cuda.Event()
+            self.slept.record()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.hidden = not self.slept.query()
+            if not self.hidden:
+                self.cycles *= 2
+
+    def count(self) -> None:
+        """Count a timed step."""
+        self.timed += 1
+        self.exposed += not self.hidden
+
+    def note(self) -> str:
+        if not self.cuda:
+            return ""
+        if self.exposed:
+            return (
+                f", {self.exposed} of {self.timed} steps with the host's time exposed (a host "
+                "sync or a slow enqueue): upper bounds"
+            )
+        return ", enqueued ahead of the GPU (launch time hidden)"
 
 
 def _op_seconds(recorder: Recorder) -> dict[str, float]:
