@@ -54,6 +54,12 @@ def test_repro_on_the_cpu_runs_labels_every_term_and_is_no_gpu_figure(tmp_path, 
     assert all(CPU_LABEL in row["caveat"] for row in data["comparisons"])
     margin = next(row for row in data["economics"] if row["name"] == "margin")
     assert CPU_LABEL in margin["note"]
+    memory = {row["name"]: row["value"] for row in data["memory"]}
+    tiny = slices.TINY  # 2 of its 256 routed experts a GPU at EP144: ep_size 128
+    assert memory["decode_weights_per_gpu"] == tiny.weight_bytes_per_gpu(128, "bf16")
+    assert memory["hbm_left"] == pytest.approx(
+        141e9 - memory["decode_weights_per_gpu"] - memory["decode_kv_cache_per_gpu"]
+    )
 
 
 def test_a_cpu_projection_refuses_to_be_a_gpu_figure():

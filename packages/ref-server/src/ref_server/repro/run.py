@@ -20,7 +20,7 @@ from ref_server.repro import communication, imbalance, published, slices
 from ref_server.repro.projection import Communication, PhaseProjection
 from ref_server.repro.report import Reproduction
 from ref_server.repro.shapes import DECODE_EP144, PREFILL_EP32, OperatingPoint, V3Dims
-from ref_server.repro.terms import Term
+from ref_server.repro.terms import Term, derived
 
 DESTINATIONS = Term(
     "destinations_per_token",
@@ -136,7 +136,24 @@ def reproduce(
             balancedness(point, dims, args.n_group, zipf, seed),
             dims=dims,
         )
-    return Reproduction(phases["prefill"], phases["decode"])
+    weights = decode_weights(slice_name, layout.decode, weight_dtype or "bf16")
+    return Reproduction(phases["prefill"], phases["decode"], decode_weights_per_gpu=weights)
+
+
+def decode_weights(slice_name: str, point: OperatingPoint, weight_dtype: str) -> Term:
+    """Bytes of weights a decode GPU holds: the slice's whole model (all its layers), its
+    routed experts as `point`'s slots a GPU (ModelArgs.weight_bytes_per_gpu)."""
+    model = slices.SLICES[slice_name]
+    slots = point.physical_experts // point.gpus
+    ep_size = model.n_routed_experts // slots
+    return derived(
+        "decode_weights_per_gpu",
+        model.weight_bytes_per_gpu(ep_size, weight_dtype),
+        "B",
+        [point.tokens_term()],
+        f"{model.num_hidden_layers} layers in {weight_dtype}, {slots} routed experts a GPU at "
+        f"{point.phase} EP{point.gpus}, attention, dense and shared layers on each",
+    )
 
 
 def draw(reproduction: Reproduction, path: str) -> None:
