@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -248,3 +249,30 @@ def test_instances_on_two_simulated_hosts_move_kv_through_nixl_by_default(servin
     )
     captured = capfd.readouterr()
     assert "comes by a NIXL read (across hosts)" in captured.out + captured.err
+
+
+@needs_nixl
+def test_a_read_that_fails_midway_fails_its_request_and_frees_the_pages_on_both_sides(
+    serving, monkeypatch
+):
+    """The decode instance's first NIXL read fails after half of the request's pages came
+    (`faults/sitecustomize.py`): that request fails with the reason, the router counts the
+    failure, both instances free every page, and the next request is served right."""
+    faults = str(Path(__file__).with_name("faults"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("REF_SERVER_TEST_FAIL_NIXL_READS", "1")
+    prompt = list(range(2, 60))  # 4 pages: 2 read, then the link goes down
+    running = Deployment(serving.config(kv_transfer="nixl"), startup_timeout=120)
+    try:
+        with Client(running.address) as client:
+            with pytest.raises(grpc.RpcError) as failed:
+                client.generate(prompt, max_tokens=8, timeout=60)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "injected: the link went down after 2 of 4 pages" in failed.value.details()
+            serving.wait_idle(client)
+        text = served_metrics(running.address, running.config.http_port, [prompt])
+    finally:
+        running.stop()
+    assert metric(text, "ref_server_kv_transfer_failures_total") == 1
+    page_bytes = LAYERS * PAGE_BYTES
+    assert metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}') == 4 * page_bytes
