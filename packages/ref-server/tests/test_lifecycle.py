@@ -4,6 +4,7 @@ die or disagree. Every test ends with no page held anywhere."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -14,11 +15,16 @@ import urllib.request
 import grpc
 import httpx
 import pytest
+import torch
 
 import ref_server.model as M
 from ref_server.client import Client
+from ref_server.engine import Engine, SchedulerConfig
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
+from ref_server.services.kv_transfer import GRPC, RECONNECT_TIMEOUT, KvPuller, TransferError
+from ref_server.services.security import SECRET_ENV, internal_channel
 from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
 
 SEED = 4
 
@@ -226,6 +232,52 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
         client.close()
     finally:
         running.stop()
+
+
+def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that_is_up_serves(
+    serving,
+):
+    """A decode side's KvPuller asks a prefill instance that is not up: after waiting
+    RECONNECT_TIMEOUT for its channel, a TransferError naming the address. The instance then
+    starts on that port (the channel in its reconnect backoff) and a prompt it prefilled is
+    pulled at once, page for page what its stream holds."""
+    config = serving.config(role="prefill", port=free_port())
+    address = f"127.0.0.1:{config.port}"
+    engine = Engine(
+        M.from_preset("tiny", seed=SEED),
+        SchedulerConfig(num_blocks=96, block_size=16, max_model_len=512),
+    )
+
+    async def run(prefill: list[subprocess.Popen]) -> None:
+        puller = KvPuller(engine.runner, "restart-test")
+        puller.set_peers([address])
+        began = time.monotonic()
+        with pytest.raises(TransferError, match=f"{address} unreachable for 5 s"):
+            await puller.pull(address, "nothing", [(0, 0)], 1)
+        assert RECONNECT_TIMEOUT <= time.monotonic() - began < RECONNECT_TIMEOUT + 5
+        env = os.environ | {SECRET_ENV: "restart-test"}
+        prefill.append(subprocess.Popen(serve_command(config, role="prefill"), env=env))
+        await asyncio.to_thread(wait_serving, address, 120, prefill[0])
+        channel = internal_channel(address, "restart-test")
+        request = pb.PrefillRequest(
+            request_id="r", token_ids=list(range(3, 40)), sampling=pb.SamplingParams(max_tokens=4)
+        )
+        first = await rpc.PrefillStub(channel).Prefill(request, timeout=60)
+        kv = rpc.KvTransferStub(channel)
+        sent = [m async for m in kv.Pull(pb.PullRequest(kv_handle="r"), timeout=60)]
+        targets = [(i, 5 + i) for i in range(first.num_pages)]
+        assert await puller.pull(address, "r", targets, first.num_pages) == GRPC
+        for (_, block), page in zip(targets, sent, strict=True):
+            assert engine.runner.read_page(block).view(torch.int16).numpy().tobytes() == page.data
+        await channel.close()
+
+    prefill = []
+    try:
+        asyncio.run(run(prefill))
+    finally:
+        for process in prefill:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,13 @@ from ref_server.v1 import serving_pb2_grpc as rpc
 log = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT = 60.0
+RECONNECT_TIMEOUT = 5.0
+# A channel to a prefill instance retries connecting at most this often while it is down, so
+# that a restarted instance is reached within about a second.
+RECONNECT_BACKOFF = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1000,
+}
 MAX_MESSAGE_BYTES = 64 << 20
 GRPC, CUDA_IPC = pb.KV_TRANSFER_METHOD_GRPC, pb.KV_TRANSFER_METHOD_CUDA_IPC
 NIXL = pb.KV_TRANSFER_METHOD_NIXL
@@ -164,6 +171,7 @@ class KvPuller:
                     address,
                     self.secret,
                     **{"grpc.max_receive_message_length": MAX_MESSAGE_BYTES},
+                    **RECONNECT_BACKOFF,
                 )
 
     @property
@@ -181,15 +189,15 @@ class KvPuller:
         transfer = rpc.KvTransferStub(self.peers[address])
         handle = pb.PullRequest(kv_handle=kv_handle)
         try:
-            method, why = None, f"--kv-transfer {self.method}"
-            if self.method in ("auto", "cuda_ipc"):
-                method = await self._copy_mapped(transfer, address, handle, targets, num_pages)
-                why = "both caches on CUDA devices of one host" if method else why
-            if method is None and self.method in ("auto", "nixl"):
-                method, why = await self._read_nixl(transfer, address, handle, targets, num_pages)
-            if method is None:
-                await self._stream(transfer, handle, targets, num_pages)
-                method = GRPC
+            try:
+                method, why = await self._move(transfer, address, handle, targets, num_pages)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                # The instance answered the router a moment ago: this channel may still be in
+                # its reconnect backoff (the instance restarted). Once it connects, again.
+                await self._reconnect(address, error)
+                method, why = await self._move(transfer, address, handle, targets, num_pages)
         except grpc.aio.AioRpcError as error:
             await self._release(transfer, kv_handle)
             raise TransferError(f"{error.code().name}: {error.details()}") from None
@@ -203,6 +211,27 @@ class KvPuller:
             self.chosen[address] = (method, why)
             log.info("KV from %s comes by %s (%s)", address, NAMES[method], why)
         return method
+
+    async def _move(self, transfer, address, handle, targets, num_pages) -> tuple[int, str]:
+        """The pages into their blocks by the first way that serves: (method, why)."""
+        method, why = None, f"--kv-transfer {self.method}"
+        if self.method in ("auto", "cuda_ipc"):
+            method = await self._copy_mapped(transfer, address, handle, targets, num_pages)
+            why = "both caches on CUDA devices of one host" if method else why
+        if method is None and self.method in ("auto", "nixl"):
+            method, why = await self._read_nixl(transfer, address, handle, targets, num_pages)
+        if method is None:
+            await self._stream(transfer, handle, targets, num_pages)
+            method = GRPC
+        return method, why
+
+    async def _reconnect(self, address: str, error: grpc.aio.AioRpcError) -> None:
+        try:
+            await asyncio.wait_for(self.peers[address].channel_ready(), RECONNECT_TIMEOUT)
+        except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
+            raise TransferError(
+                f"{address} unreachable for {RECONNECT_TIMEOUT:g} s: {error.details()}"
+            ) from None
 
     async def _read_nixl(self, transfer, address, handle, targets, num_pages):
         """(NIXL, why) once the pages are read into their blocks, or (None, why NIXL was not
