@@ -276,3 +276,57 @@ def test_a_read_that_fails_midway_fails_its_request_and_frees_the_pages_on_both_
     assert metric(text, "ref_server_kv_transfer_failures_total") == 1
     page_bytes = LAYERS * PAGE_BYTES
     assert metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}') == 4 * page_bytes
+
+
+@needs_nixl
+def test_an_instance_whose_two_ranks_are_on_two_simulated_hosts_starts_under_torchrun(serving):
+    """A decode instance of two ranks, one on each of two simulated hosts (127.0.0.3 and
+    127.0.0.4, `torchrun --nnodes 2 --node-rank R` on each, meeting at node 0's address),
+    and a prefill instance on a third (127.0.0.2): the router serves the one-process tokens
+    from both ranks, every page read across hosts through NIXL."""
+    config = serving.config()
+    ports = free_port(), free_port(), free_port()
+    prefill = f"127.0.0.2:{ports[0]}"
+    ranks = [f"127.0.0.3:{ports[1]}", f"127.0.0.4:{ports[1]}"]
+    env = os.environ | {SECRET_ENV: new_secret()}
+    decode = serve_command(config, role="decode", port=ports[1])[2:]
+    processes = [
+        subprocess.Popen(
+            serve_command(config, role="prefill", host="127.0.0.2", port=ports[0]),
+            env=env | {HOST_ID_ENV: "a"},
+        )
+    ]
+    try:
+        for node, host in enumerate(("127.0.0.3", "127.0.0.4")):
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+            torchrun += ["--node-rank", str(node), "--nproc-per-node", "1"]
+            torchrun += ["--master-addr", "127.0.0.3", "--master-port", str(ports[2]), "-m"]
+            processes.append(
+                subprocess.Popen(
+                    [*torchrun, *decode, "--host", host], env=env | {HOST_ID_ENV: f"b{node}"}
+                )
+            )
+        for address in (prefill, *ranks):
+            wait_serving(address, 120)
+        router = serve_command(config, role="router", prefill=[prefill], decode=ranks)
+        processes.append(subprocess.Popen(router, env=env))
+        wait_serving(f"127.0.0.1:{config.port}", 60, processes[-1])
+        prompts = [list(range(2, 60)), [9] * 17, list(range(100, 230)), [5, 6, 7]]
+        with Client(f"127.0.0.1:{config.port}") as client:
+            serving.wait_until(
+                lambda: len(client.server_info().workers) == 3, 30, "all three registered"
+            )
+        text = served_metrics(f"127.0.0.1:{config.port}", config.http_port, prompts)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    pages = sum(-(-len(prompt) // 16) for prompt in prompts)
+    nixl_bytes = metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}')
+    assert nixl_bytes == pages * LAYERS * PAGE_BYTES
+    for rank in ("decode-0", "decode-1"):
+        assert metric(text, f'ref_server_worker_healthy{{worker="{rank}"}}') == 1, text
