@@ -318,7 +318,6 @@ def main() -> None:
     parser.add_argument("--serve-prefill", help=argparse.SUPPRESS)  # the prefill process
     parser.add_argument("--fp8-source", help=argparse.SUPPRESS)  # the FP8 pages' process
     options = parser.parse_args()
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # nixl logs INFO to stdout, into the table
     logging.basicConfig(level=logging.WARNING)
     if options.serve_prefill:
         return serve_prefill(ServeConfig(**json.loads(options.serve_prefill)))

@@ -19,6 +19,7 @@ never as NIXL's pickled lists, which would run a peer's pickle.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class NixlUnavailable(RuntimeError):
 
 
 def _agent(name: str):
+    # nixl logs INFO lines to stdout, into an instance's output; ours says what matters
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as error:
