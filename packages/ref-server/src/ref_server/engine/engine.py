@@ -59,9 +59,9 @@ class Engine:
         seq = self.scheduler.held[request_id]
         return seq.block_table[: -(-seq.num_computed // self.scheduler.config.block_size)]
 
-    def pages(self, request_id: str) -> list[torch.Tensor]:
-        """A held sequence's computed pages, each `[layers, page_size, 576]` (CPU)."""
-        return [self.runner.read_page(block) for block in self.held_blocks(request_id)]
+    def pages(self, request_id: str, start: int = 0, stop: int | None = None) -> list[torch.Tensor]:
+        """A held sequence's computed pages `start:stop`, each `[layers, page_size, 576]` (CPU)."""
+        return [self.runner.read_page(b) for b in self.held_blocks(request_id)[start:stop]]
 
     def release(self, request_id: str) -> bool:
         return self.scheduler.release(request_id)

@@ -25,6 +25,8 @@ from ref_server.v1 import serving_pb2_grpc as rpc
 
 log = logging.getLogger(__name__)
 
+PULL_PAGES = 4  # pages read from the cache at a time for a Pull stream
+
 
 async def admit(loop: EngineLoop, request_id: str, add, events: Events, context):
     """add(engine) for a new request, its events to `events`; a refusal aborts the call. A
@@ -135,10 +137,31 @@ class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, message)
 
     async def Pull(self, request, context):
+        """The pages a few at a time: each few read on the engine's thread (renewing the
+        lease) and encoded on a worker thread while the few before are being sent."""
         handle = request.kv_handle
-        pages = await self._held(handle, lambda engine: engine.pages(handle), context)
-        for index, page in enumerate(pages):
-            yield page_message(index, page, handle)
+        count = await self._held(handle, lambda engine: len(engine.held_blocks(handle)), context)
+
+        async def encoded(start: int) -> list[pb.KvPage]:
+            stop = start + PULL_PAGES
+            pages = await self._held(
+                handle, lambda engine: engine.pages(handle, start, stop), context
+            )
+            return await asyncio.to_thread(
+                lambda: [page_message(start + i, page, handle) for i, page in enumerate(pages)]
+            )
+
+        upcoming = asyncio.ensure_future(encoded(0)) if count else None
+        try:
+            for start in range(0, count, PULL_PAGES):
+                messages = await upcoming
+                following = start + PULL_PAGES
+                upcoming = asyncio.ensure_future(encoded(following)) if following < count else None
+                for message in messages:
+                    yield message
+        finally:
+            if upcoming is not None:  # the stream ended early: cancelled, or a send failed
+                upcoming.cancel()
 
     async def Locate(self, request, context):
         handle = request.kv_handle

@@ -54,6 +54,7 @@ RECONNECT_BACKOFF = {
     "grpc.max_reconnect_backoff_ms": 1000,
 }
 MAX_MESSAGE_BYTES = 64 << 20
+STREAM_WRITE_PAGES = 4  # streamed pages checked and written at a time
 GRPC, CUDA_IPC = pb.KV_TRANSFER_METHOD_GRPC, pb.KV_TRANSFER_METHOD_CUDA_IPC
 NIXL = pb.KV_TRANSFER_METHOD_NIXL
 METHODS = ("auto", "nixl", "cuda_ipc", "grpc")
@@ -308,18 +309,44 @@ class KvPuller:
             return False
 
     async def _stream(self, transfer, handle, targets, num_pages: int) -> None:
-        pages = []
-        async for message in transfer.Pull(handle, timeout=TRANSFER_TIMEOUT):
-            if message.index != len(pages) or message.kv_handle != handle.kv_handle:
-                raise ValueError(f"page {message.index} of {message.kv_handle!r} out of order")
-            pages.append(page_tensor(message, self.page_shape))
-        if len(pages) != num_pages:
-            raise ValueError(f"{len(pages)} pages came, {num_pages} were prefilled")
-        await asyncio.to_thread(self._write, [(block, pages[index]) for index, block in targets])
+        """The pages as they come, checked and written a few at a time on a worker thread (one
+        batch at a time, while the next arrives); every write ends before this returns or
+        raises, so the blocks are never freed under one."""
+        blocks, batch, count, writing = dict(targets), [], 0, None
+        try:
+            async for message in transfer.Pull(handle, timeout=TRANSFER_TIMEOUT):
+                if message.index != count or message.kv_handle != handle.kv_handle:
+                    raise ValueError(f"page {message.index} of {message.kv_handle!r} out of order")
+                count += 1
+                batch.append(message)
+                if len(batch) == STREAM_WRITE_PAGES:
+                    await self._written(writing)
+                    writing = asyncio.ensure_future(asyncio.to_thread(self._write, batch, blocks))
+                    batch = []
+            if count != num_pages:
+                raise ValueError(f"{count} pages came, {num_pages} were prefilled")
+            await self._written(writing)
+            writing = None
+            await asyncio.to_thread(self._write, batch, blocks)
+        finally:
+            await self._written(writing, quiet=True)
 
-    def _write(self, pages: list[tuple[int, torch.Tensor]]) -> None:
-        for block, page in pages:
-            self.runner.write_page(block, page)
+    @staticmethod
+    async def _written(writing, quiet: bool = False) -> None:
+        """Wait for a batch's write (None: no batch)."""
+        if writing is not None:
+            try:
+                await asyncio.shield(writing)
+            except Exception:
+                if not quiet:
+                    raise
+
+    def _write(self, messages: list[pb.KvPage], blocks: dict[int, int]) -> None:
+        """Check each page and write those that have a block."""
+        for message in messages:
+            page = page_tensor(message, self.page_shape)
+            if message.index in blocks:
+                self.runner.write_page(blocks[message.index], page)
         if self.runner.device.type == "cuda":
             torch.cuda.current_stream(self.runner.device).synchronize()
 

@@ -1,0 +1,107 @@
+"""KvPuller's gRPC stream against a KvTransfer server of this test's own (real gRPC on loopback),
+which sends pages as a prefill instance does, or damages one of them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+import ref_server.model as M
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.services.kv_transfer import GRPC, STREAM_WRITE_PAGES, KvPuller, TransferError
+from ref_server.services.messages import page_message
+from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
+
+ARGS = M.PRESETS["tiny"]
+PAGES = 2 * STREAM_WRITE_PAGES + 1  # two whole batches and one page
+
+
+class Pages(rpc.KvTransferServicer):
+    """Random pages under handle "h"; `damaged`: the index whose checksum is wrong; `sent`: how
+    many pages the stream carries before it ends (all by default)."""
+
+    def __init__(self, damaged: int | None = None, sent: int = PAGES) -> None:
+        g = torch.Generator().manual_seed(3)
+        shape = (ARGS.num_hidden_layers, 16, ARGS.cache_width)
+        self.pages = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(PAGES)]
+        self.damaged, self.sent = damaged, sent
+        self.released = 0
+
+    async def Pull(self, request, context):
+        for index, page in enumerate(self.pages[: self.sent]):
+            message = page_message(index, page, request.kv_handle)
+            if index == self.damaged:
+                message.crc32 ^= 1
+            yield message
+
+    async def Release(self, request, context):
+        self.released += 1
+        return pb.ReleaseResponse()
+
+
+def pull(server: Pages) -> tuple[Engine, int | Exception]:
+    """The server's pages pulled into blocks 20.. of a fresh engine's cache: (engine, the
+    method or the error)."""
+    engine = Engine(
+        M.from_preset("tiny"), SchedulerConfig(num_blocks=64, block_size=16, max_model_len=512)
+    )
+
+    async def run():
+        listener = grpc.aio.server()
+        rpc.add_KvTransferServicer_to_server(server, listener)
+        port = listener.add_insecure_port("127.0.0.1:0")
+        await listener.start()
+        puller = KvPuller(engine.runner, "stream-test", "grpc")
+        address = f"127.0.0.1:{port}"
+        puller.set_peers([address])
+        try:
+            return await puller.pull(address, "h", [(i, 20 + i) for i in range(PAGES)], PAGES)
+        except TransferError as error:
+            return error
+        finally:
+            await listener.stop(None)
+
+    return engine, asyncio.run(run())
+
+
+def test_streamed_pages_land_in_their_blocks_in_batches():
+    server = Pages()
+    engine, method = pull(server)
+    assert method == GRPC and server.released == 1
+    for index, page in enumerate(server.pages):
+        assert torch.equal(engine.runner.read_page(20 + index), page), index
+    assert not engine.runner.read_page(20 + PAGES).any()
+
+
+@pytest.mark.parametrize("damaged", [1, STREAM_WRITE_PAGES + 1, PAGES - 1])
+def test_a_damaged_page_fails_the_pull_after_every_write_ended(damaged):
+    """A page that fails its checksum in the first, a middle or the last batch: the pull is a
+    TransferError naming it, the lease is released, and when it returns the pages before it in
+    its batch are written and none after it: no write is still running."""
+    server = Pages(damaged)
+    engine, error = pull(server)
+    assert isinstance(error, TransferError) and f"page {damaged} fails its checksum" in str(error)
+    assert server.released == 1
+    first_of_batch = damaged - damaged % STREAM_WRITE_PAGES
+    for index in range(first_of_batch, PAGES):
+        written = engine.runner.read_page(20 + index)
+        if index < damaged:
+            assert torch.equal(written, server.pages[index]), index
+        else:
+            assert not written.any(), index
+
+
+def test_a_stream_that_ends_short_fails_after_the_writes_in_flight_ended():
+    """The stream ends one page early, while the batch before is being written: the pull
+    fails naming the count, and when it returns that batch is whole in the cache."""
+    server = Pages(sent=PAGES - 1)
+    engine, error = pull(server)
+    assert isinstance(error, TransferError)
+    assert f"{PAGES - 1} pages came, {PAGES} were prefilled" in str(error)
+    assert server.released == 1
+    for index in range(PAGES - 1):
+        assert torch.equal(engine.runner.read_page(20 + index), server.pages[index]), index
