@@ -59,6 +59,7 @@ from types import SimpleNamespace
 import grpc
 import numpy as np
 import torch
+from bench_model import median_seconds, sync  # this folder's: the same timing
 
 import ref_server.model as M
 from ref_server.engine import Engine, SchedulerConfig
@@ -85,23 +86,6 @@ class MethodFailed(RuntimeError):
 
 def pages_of(tokens: int) -> int:
     return -(-tokens // PAGE_TOKENS)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, device: torch.device, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def rates(tokens: int, seconds: float, page_bytes: int = PAGE_BYTES) -> dict:
