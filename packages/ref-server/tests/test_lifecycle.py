@@ -238,7 +238,8 @@ def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that
     serving,
 ):
     """A decode side's KvPuller asks a prefill instance that is not up: after waiting
-    RECONNECT_TIMEOUT for its channel, a TransferError naming the address. The instance then
+    RECONNECT_TIMEOUT for its channel, a TransferError naming the address, also when the
+    router drops the instance during the wait. The instance then
     starts on that port (the channel in its reconnect backoff) and a prompt it prefilled is
     pulled at once, page for page what its stream holds."""
     config = serving.config(role="prefill", port=free_port())
@@ -255,6 +256,15 @@ def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that
         with pytest.raises(TransferError, match=f"{address} unreachable for 5 s"):
             await puller.pull(address, "nothing", [(0, 0)], 1)
         assert RECONNECT_TIMEOUT <= time.monotonic() - began < RECONNECT_TIMEOUT + 5
+        waiting = asyncio.ensure_future(puller.pull(address, "nothing", [(0, 0)], 1))
+        await asyncio.sleep(1)  # waiting for the channel when the router drops the instance
+        puller.set_peers([])
+        with pytest.raises(TransferError, match=f"{address} unreachable for 5 s"):
+            await waiting  # neither cancelled nor a closed channel's UsageError
+        assert not puller.pulling  # its channel closed once the pull ended
+        with pytest.raises(TransferError, match=f"{address} is not a registered"):
+            await puller.pull(address, "nothing", [(0, 0)], 1)
+        puller.set_peers([address])
         env = os.environ | {SECRET_ENV: "restart-test"}
         prefill.append(subprocess.Popen(serve_command(config, role="prefill"), env=env))
         await asyncio.to_thread(wait_serving, address, 120, prefill[0])

@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +153,7 @@ class KvPuller:
         args = runner.model.args
         self.page_shape = (args.num_hidden_layers, runner.cache.page_size, args.cache_width)
         self.peers: dict[str, grpc.aio.Channel] = {}
+        self.pulling: Counter[grpc.aio.Channel] = Counter()  # pulls under way on each channel
         self.mapped: dict[str, tuple[str, list[torch.Tensor]] | None] = {}  # None: not shareable
         self.nixl = None  # this side's agent, started when a transfer first wants one
         self.why_not_nixl: str | None = None  # why it could not start
@@ -161,9 +163,9 @@ class KvPuller:
 
     def set_peers(self, addresses: list[str]) -> None:
         """Dial only these prefill instances; drop what was kept for others (their channels,
-        the mapping of their caches)."""
+        once no pull uses them; the mapping of their caches)."""
         for address in set(self.peers) - set(addresses):
-            background(self.peers.pop(address).close())
+            self._close_if_unused(self.peers.pop(address))
             self.mapped.pop(address, None)
             self.nixl_peers.pop(address, None)
         for address in addresses:
@@ -187,7 +189,23 @@ class KvPuller:
         had: the prefill instance is unreachable, its lease ran out, a page is damaged."""
         if address not in self.peers:
             raise TransferError(f"{address} is not a registered prefill instance")
-        transfer = rpc.KvTransferStub(self.peers[address])
+        channel = self.peers[address]
+        self.pulling[channel] += 1
+        try:
+            return await self._pull(channel, address, kv_handle, targets, num_pages)
+        finally:
+            self.pulling[channel] -= 1
+            self._close_if_unused(channel)
+
+    def _close_if_unused(self, channel: grpc.aio.Channel) -> None:
+        """A dropped instance's channel closes when its last pull ends (closing a channel
+        cancels the calls on it)."""
+        if not self.pulling[channel] and channel not in self.peers.values():
+            del self.pulling[channel]
+            background(channel.close())
+
+    async def _pull(self, channel, address, kv_handle, targets, num_pages) -> int:
+        transfer = rpc.KvTransferStub(channel)
         handle = pb.PullRequest(kv_handle=kv_handle)
         try:
             try:
@@ -197,7 +215,7 @@ class KvPuller:
                     raise
                 # The instance answered the router a moment ago: this channel may still be in
                 # its reconnect backoff (the instance restarted). Once it connects, again.
-                await self._reconnect(address, error)
+                await self._reconnect(channel, address, error)
                 method, why = await self._move(transfer, address, handle, targets, num_pages)
         except grpc.aio.AioRpcError as error:
             await self._release(transfer, kv_handle)
@@ -226,9 +244,13 @@ class KvPuller:
             method = GRPC
         return method, why
 
-    async def _reconnect(self, address: str, error: grpc.aio.AioRpcError) -> None:
+    async def _reconnect(self, channel, address: str, error: grpc.aio.AioRpcError) -> None:
+        if self.peers.get(address) is not channel:
+            raise TransferError(
+                f"{address} left the registered prefill instances: {error.details()}"
+            )
         try:
-            await asyncio.wait_for(self.peers[address].channel_ready(), RECONNECT_TIMEOUT)
+            await asyncio.wait_for(channel.channel_ready(), RECONNECT_TIMEOUT)
         except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
             raise TransferError(
                 f"{address} unreachable for {RECONNECT_TIMEOUT:g} s: {error.details()}"
