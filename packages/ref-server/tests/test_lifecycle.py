@@ -280,6 +280,9 @@ def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that
         for (_, block), page in zip(targets, sent, strict=True):
             assert engine.runner.read_page(block).view(torch.int16).numpy().tobytes() == page.data
         await channel.close()
+        dialled = puller.peers[address]
+        await puller.close()  # at the instance's shutdown
+        assert dialled.get_state() == grpc.ChannelConnectivity.SHUTDOWN and not puller.peers
 
     prefill = []
     try:

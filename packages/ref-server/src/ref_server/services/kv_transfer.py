@@ -177,6 +177,18 @@ class KvPuller:
                     **RECONNECT_BACKOFF,
                 )
 
+    async def close(self) -> None:
+        """At shutdown: close every channel (cancelling the pulls on them) and this side's
+        NIXL agent; forget the peers."""
+        channels = set(self.peers.values()) | set(self.pulling)
+        self.peers.clear()
+        self.mapped.clear()
+        self.nixl_peers.clear()
+        await asyncio.gather(*(channel.close() for channel in channels))
+        if self.nixl is not None:
+            self.nixl.close()
+            self.nixl = None
+
     @property
     def num_mapped(self) -> int:
         return sum(1 for m in self.mapped.values() if m is not None)

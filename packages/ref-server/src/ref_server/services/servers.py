@@ -253,6 +253,7 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     if config.role == "prefill":
         rpc.add_InstanceServicer_to_server(InstanceService(loop, info), server)
+        puller = None
         service = PrefillService(loop, config.max_model_len)
         rpc.add_PrefillServicer_to_server(service, server)
         rpc.add_KvTransferServicer_to_server(service, server)
@@ -269,6 +270,8 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
     finally:
         await health_service.enter_graceful_shutdown()
         await server.stop(grace=2)
+        if puller is not None:
+            await puller.close()
         loop.stop()
 
 
