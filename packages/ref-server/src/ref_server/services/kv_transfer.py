@@ -305,7 +305,8 @@ class KvPuller:
 
     async def _meet(self, transfer, address) -> NixlPeer | None:
         peer = None
-        share = pb.ShareCacheRequest(nixl=self.method == "nixl")
+        # The prefill instance starts its agent when asked: not unless this side's runs.
+        share = pb.ShareCacheRequest(nixl=self.method == "nixl" and self._start_nixl())
         shared = await transfer.ShareCache(share, timeout=TRANSFER_TIMEOUT)
         same_host = shared.host_id == host_id()
         if self.method == "auto" and same_host:
