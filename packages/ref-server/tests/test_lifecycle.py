@@ -259,11 +259,18 @@ def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that
         waiting = asyncio.ensure_future(puller.pull(address, "nothing", [(0, 0)], 1))
         await asyncio.sleep(1)  # waiting for the channel when the router drops the instance
         puller.set_peers([])
-        with pytest.raises(TransferError, match=f"{address} unreachable for 5 s"):
+        with pytest.raises(TransferError, match=f"{address} (unreachable for 5 s|left the reg)"):
             await waiting  # neither cancelled nor a closed channel's UsageError
         assert not puller.pulling  # its channel closed once the pull ended
         with pytest.raises(TransferError, match=f"{address} is not a registered"):
             await puller.pull(address, "nothing", [(0, 0)], 1)
+        puller.set_peers([address])
+        racing = asyncio.ensure_future(puller.pull(address, "nothing", [(0, 0)], 1))
+        await asyncio.sleep(0)  # the pull has its channel and awaits its first call
+        puller.set_peers([])  # the router drops the instance before that call fails
+        with pytest.raises(TransferError, match=f"{address} left the registered prefill"):
+            await racing
+        assert not puller.nixl_peers  # nothing the pull learnt is kept for a dropped address
         puller.set_peers([address])
         env = os.environ | {SECRET_ENV: "restart-test"}
         prefill.append(subprocess.Popen(serve_command(config, role="prefill"), env=env))
@@ -281,8 +288,17 @@ def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that
             assert engine.runner.read_page(block).view(torch.int16).numpy().tobytes() == page.data
         await channel.close()
         dialled = puller.peers[address]
+        prefill[0].kill()  # a pull waits for the channel when the instance shuts down
+        prefill[0].wait()
+        waiting = asyncio.ensure_future(puller.pull(address, "r", targets, first.num_pages))
+        await asyncio.sleep(0.5)
         await puller.close()  # at the instance's shutdown
         assert dialled.get_state() == grpc.ChannelConnectivity.SHUTDOWN and not puller.peers
+        assert waiting.done() and not any(puller.pulling.values())  # close waited for it
+        with pytest.raises(TransferError, match=r"closed: shutting down|unreachable for 5 s"):
+            await waiting  # (a wait for the channel is not cut short by its closing)
+        with pytest.raises(TransferError, match="this instance is shutting down"):
+            await puller.pull(address, "r", targets, first.num_pages)
 
     prefill = []
     try:

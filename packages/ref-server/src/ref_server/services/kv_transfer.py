@@ -31,6 +31,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -139,6 +140,15 @@ class NixlPeer:
     same_host: bool
 
 
+class _Link(NamedTuple):
+    """A pull's way to a prefill instance: the channel registered for its address when the pull
+    began (the pull keeps it if `set_peers` drops the address meanwhile) and a stub on it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    transfer: rpc.KvTransferStub
+
+
 class KvPuller:
     """The decode side: fills reserved blocks of `runner`'s cache from registered prefill
     instances (`set_peers`, called by the router); it dials no other address. method: one of
@@ -160,6 +170,7 @@ class KvPuller:
         self.nixl_peers: dict[str, NixlPeer | None] = {}  # None: no NIXL from that instance
         self.meeting = asyncio.Lock()  # pulls that start together meet a new peer once
         self.chosen: dict[str, tuple[int, str]] = {}  # address -> (method, why), as logged
+        self.closed = False
 
     def set_peers(self, addresses: list[str]) -> None:
         """Dial only these prefill instances; drop what was kept for others (their channels,
@@ -168,6 +179,7 @@ class KvPuller:
             self._close_if_unused(self.peers.pop(address))
             self.mapped.pop(address, None)
             self.nixl_peers.pop(address, None)
+            self.chosen.pop(address, None)
         for address in addresses:
             if address not in self.peers:
                 self.peers[address] = internal_channel(
@@ -178,14 +190,21 @@ class KvPuller:
                 )
 
     async def close(self) -> None:
-        """At shutdown: close every channel (cancelling the pulls on them) and this side's
-        NIXL agent; forget the peers."""
+        """At shutdown: refuse new pulls, close every channel (the pulls under way end in
+        TransferErrors), wait up to RECONNECT_TIMEOUT for them to end, then stop this side's
+        NIXL agent (left to the process's exit while a read still runs on a worker thread)."""
+        self.closed = True
         channels = set(self.peers.values()) | set(self.pulling)
         self.peers.clear()
         self.mapped.clear()
         self.nixl_peers.clear()
         await asyncio.gather(*(channel.close() for channel in channels))
-        if self.nixl is not None:
+        deadline = asyncio.get_running_loop().time() + RECONNECT_TIMEOUT
+        while any(self.pulling.values()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.nixl is not None and any(self.pulling.values()):
+            log.warning("NIXL agent left running: a read outlasted the shutdown's wait")
+        elif self.nixl is not None:
             self.nixl.close()
             self.nixl = None
 
@@ -199,15 +218,23 @@ class KvPuller:
         """Write pages `index` of the handle's `num_pages` into cache `block`, for each
         (index, block) of targets; returns the method. TransferError when the KV cannot be
         had: the prefill instance is unreachable, its lease ran out, a page is damaged."""
+        if self.closed:
+            raise TransferError("this instance is shutting down")
         if address not in self.peers:
             raise TransferError(f"{address} is not a registered prefill instance")
         channel = self.peers[address]
         self.pulling[channel] += 1
         try:
-            return await self._pull(channel, address, kv_handle, targets, num_pages)
+            link = _Link(address, channel, rpc.KvTransferStub(channel))
+            return await self._pull(link, kv_handle, targets, num_pages)
         finally:
             self.pulling[channel] -= 1
             self._close_if_unused(channel)
+
+    def _current(self, link: _Link) -> bool:
+        """Whether link's channel is still the one registered for its address (what a pull
+        learns about an instance is kept only then)."""
+        return self.peers.get(link.address) is link.channel
 
     def _close_if_unused(self, channel: grpc.aio.Channel) -> None:
         """A dropped instance's channel closes when its last pull ends (closing a channel
@@ -216,22 +243,24 @@ class KvPuller:
             del self.pulling[channel]
             background(channel.close())
 
-    async def _pull(self, channel, address, kv_handle, targets, num_pages) -> int:
-        transfer = rpc.KvTransferStub(channel)
+    async def _pull(self, link: _Link, kv_handle, targets, num_pages) -> int:
+        address, transfer = link.address, link.transfer
         handle = pb.PullRequest(kv_handle=kv_handle)
         try:
             try:
-                method, why = await self._move(transfer, address, handle, targets, num_pages)
+                method, why = await self._move(link, handle, targets, num_pages)
             except grpc.aio.AioRpcError as error:
                 if error.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 # The instance answered the router a moment ago: this channel may still be in
                 # its reconnect backoff (the instance restarted). Once it connects, again.
-                await self._reconnect(channel, address, error)
-                method, why = await self._move(transfer, address, handle, targets, num_pages)
+                await self._reconnect(link, error)
+                method, why = await self._move(link, handle, targets, num_pages)
         except grpc.aio.AioRpcError as error:
             await self._release(transfer, kv_handle)
             raise TransferError(f"{error.code().name}: {error.details()}") from None
+        except grpc.aio.UsageError:  # `close` closed the channel under the pull
+            raise TransferError(f"the channel to {address} closed: shutting down") from None
         except (ValueError, RuntimeError) as error:
             await self._release(transfer, kv_handle)
             raise TransferError(str(error)) from None
@@ -243,43 +272,44 @@ class KvPuller:
             log.info("KV from %s comes by %s (%s)", address, NAMES[method], why)
         return method
 
-    async def _move(self, transfer, address, handle, targets, num_pages) -> tuple[int, str]:
+    async def _move(self, link: _Link, handle, targets, num_pages) -> tuple[int, str]:
         """The pages into their blocks by the first way that serves: (method, why)."""
         method, why = None, f"--kv-transfer {self.method}"
         if self.method in ("auto", "cuda_ipc"):
-            method = await self._copy_mapped(transfer, address, handle, targets, num_pages)
+            method = await self._copy_mapped(link, handle, targets, num_pages)
             why = "both caches on CUDA devices of one host" if method else why
         if method is None and self.method in ("auto", "nixl"):
-            method, why = await self._read_nixl(transfer, address, handle, targets, num_pages)
+            method, why = await self._read_nixl(link, handle, targets, num_pages)
         if method is None:
-            await self._stream(transfer, handle, targets, num_pages)
+            await self._stream(link.transfer, handle, targets, num_pages)
             method = GRPC
         return method, why
 
-    async def _reconnect(self, channel, address: str, error: grpc.aio.AioRpcError) -> None:
-        if self.peers.get(address) is not channel:
+    async def _reconnect(self, link: _Link, error: grpc.aio.AioRpcError) -> None:
+        if not self._current(link):
             raise TransferError(
-                f"{address} left the registered prefill instances: {error.details()}"
+                f"{link.address} left the registered prefill instances: {error.details()}"
             )
         try:
-            await asyncio.wait_for(channel.channel_ready(), RECONNECT_TIMEOUT)
+            await asyncio.wait_for(link.channel.channel_ready(), RECONNECT_TIMEOUT)
         except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
             raise TransferError(
-                f"{address} unreachable for {RECONNECT_TIMEOUT:g} s: {error.details()}"
+                f"{link.address} unreachable for {RECONNECT_TIMEOUT:g} s: {error.details()}"
             ) from None
 
-    async def _read_nixl(self, transfer, address, handle, targets, num_pages):
+    async def _read_nixl(self, link: _Link, handle, targets, num_pages):
         """(NIXL, why) once the pages are read into their blocks, or (None, why NIXL was not
         used). The peer's agent is met once per pair (again after it restarts)."""
-        peer = await self._nixl_peer(transfer, address)
+        peer = await self._nixl_peer(link)
         if peer is None:
             return None, self.why_not_nixl or "no NIXL from that instance"
         if self.method == "auto" and peer.same_host:
             return None, "one host, not both caches on CUDA devices (auto: NIXL across hosts)"
         asked = pb.PullRequest(kv_handle=handle.kv_handle, nixl_pages=True)
-        located = await transfer.Locate(asked, timeout=TRANSFER_TIMEOUT)
+        located = await link.transfer.Locate(asked, timeout=TRANSFER_TIMEOUT)
         if located.cache_id != peer.cache_id:  # it restarted since: meet its new agent
-            self.nixl_peers.pop(address, None)
+            if self._current(link):
+                self.nixl_peers.pop(link.address, None)
             return None, "the prefill instance restarted"
         if len(located.blocks) != num_pages or not located.nixl_pages.rows:
             raise ValueError(f"{len(located.blocks)} pages located, {num_pages} were prefilled")
@@ -295,13 +325,16 @@ class KvPuller:
         await asyncio.to_thread(self.nixl.read, peer.agent, pages, blocks, TRANSFER_TIMEOUT)
         return NIXL, "across hosts" if self.method == "auto" else "--kv-transfer nixl"
 
-    async def _nixl_peer(self, transfer, address) -> NixlPeer | None:
+    async def _nixl_peer(self, link: _Link) -> NixlPeer | None:
         """The prefill instance's agent, met on first use: None where NIXL is not for it (auto
         on one host, where neither agent starts) or cannot be (an agent did not start)."""
         async with self.meeting:
-            if address not in self.nixl_peers:
-                self.nixl_peers[address] = await self._meet(transfer, address)
-        return self.nixl_peers[address]
+            if link.address in self.nixl_peers:
+                return self.nixl_peers[link.address]
+            peer = await self._meet(link.transfer, link.address)
+            if self._current(link):
+                self.nixl_peers[link.address] = peer
+            return peer
 
     async def _meet(self, transfer, address) -> NixlPeer | None:
         peer = None
@@ -323,7 +356,10 @@ class KvPuller:
         return peer
 
     def _start_nixl(self) -> bool:
-        """Whether this side's agent runs (started on first call; why not, logged once)."""
+        """Whether this side's agent runs (started on first call; why not, logged once; none
+        once `close` ran)."""
+        if self.closed:
+            return False
         if self.nixl is None and self.why_not_nixl is None:
             # imported here: nixl_transfer imports this module (and nixl loads only when used)
             from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable
@@ -340,7 +376,7 @@ class KvPuller:
         try:
             await transfer.Release(pb.ReleaseRequest(kv_handle=kv_handle), timeout=TRANSFER_TIMEOUT)
             return True
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: a closed channel
             return False
 
     async def _stream(self, transfer, handle, targets, num_pages: int) -> None:
@@ -385,13 +421,15 @@ class KvPuller:
         if self.runner.device.type == "cuda":
             torch.cuda.current_stream(self.runner.device).synchronize()
 
-    async def _copy_mapped(self, transfer, address, handle, targets, num_pages) -> int | None:
-        mapped = self.mapped.get(address)
-        if self.runner.device.type != "cuda" or (mapped is None and address in self.mapped):
+    async def _copy_mapped(self, link: _Link, handle, targets, num_pages) -> int | None:
+        mapped = self.mapped.get(link.address)
+        if self.runner.device.type != "cuda" or (mapped is None and link.address in self.mapped):
             return None  # this side, or that instance's cache found before, is not shareable
-        located = await transfer.Locate(handle, timeout=TRANSFER_TIMEOUT)
+        located = await link.transfer.Locate(handle, timeout=TRANSFER_TIMEOUT)
         if mapped is None or mapped[0] != located.cache_id:  # first use, or a restarted instance
-            mapped = self.mapped[address] = await self._map(transfer)
+            mapped = await self._map(link.transfer)
+            if self._current(link):
+                self.mapped[link.address] = mapped
             if mapped is None or mapped[0] != located.cache_id:
                 return None
         if len(located.blocks) != num_pages:

@@ -270,9 +270,13 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
     finally:
         await health_service.enter_graceful_shutdown()
         await server.stop(grace=2)
-        if puller is not None:
-            await puller.close()
-        loop.stop()
+        try:
+            if puller is not None:
+                await puller.close()
+        except Exception:  # NIXL's own errors among them: the engine stops all the same
+            log.exception("closing the KV puller failed")
+        finally:
+            loop.stop()
 
 
 async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
