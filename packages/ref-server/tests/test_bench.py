@@ -313,7 +313,7 @@ def test_a_sweep_of_rates_sends_on_the_poisson_schedule(deployment):
 
 
 def test_fill_mode_measures_the_window_in_which_all_decode(deployment):
-    workload = Workload(LengthSpec(24, 24), LengthSpec(16, 16), seed=15)
+    workload = Workload(LengthSpec(24, 24), LengthSpec(64, 64), seed=15)
     document = run_bench(grpc_target(deployment), workload, [Mode("fill", 8)])
     [run] = document["runs"]
     assert run["label"] == "saturation (fill 8)"
