@@ -292,11 +292,13 @@ def test_a_pull_from_an_instance_that_is_down_fails_in_bounded_time_and_one_that
         prefill[0].wait()
         waiting = asyncio.ensure_future(puller.pull(address, "r", targets, first.num_pages))
         await asyncio.sleep(0.5)
-        await puller.close()  # at the instance's shutdown
+        began = time.monotonic()
+        await puller.close()  # at the instance's shutdown: the pull stops waiting at once
+        assert time.monotonic() - began < 1
         assert dialled.get_state() == grpc.ChannelConnectivity.SHUTDOWN and not puller.peers
         assert waiting.done() and not any(puller.pulling.values())  # close waited for it
-        with pytest.raises(TransferError, match=r"closed: shutting down|unreachable for 5 s"):
-            await waiting  # (a wait for the channel is not cut short by its closing)
+        with pytest.raises(TransferError, match="closed: shutting down"):
+            await waiting
         with pytest.raises(TransferError, match="this instance is shutting down"):
             await puller.pull(address, "r", targets, first.num_pages)
 

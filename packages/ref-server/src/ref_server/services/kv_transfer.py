@@ -171,6 +171,7 @@ class KvPuller:
         self.meeting = asyncio.Lock()  # pulls that start together meet a new peer once
         self.chosen: dict[str, tuple[int, str]] = {}  # address -> (method, why), as logged
         self.closed = False
+        self.closing = asyncio.Event()  # set by `close`: pulls waiting for a channel give up
 
     def set_peers(self, addresses: list[str]) -> None:
         """Dial only these prefill instances; drop what was kept for others (their channels,
@@ -194,6 +195,7 @@ class KvPuller:
         TransferErrors), wait up to RECONNECT_TIMEOUT for them to end, then stop this side's
         NIXL agent (left to the process's exit while a read still runs on a worker thread)."""
         self.closed = True
+        self.closing.set()
         channels = set(self.peers.values()) | set(self.pulling)
         self.peers.clear()
         self.mapped.clear()
@@ -290,12 +292,22 @@ class KvPuller:
             raise TransferError(
                 f"{link.address} left the registered prefill instances: {error.details()}"
             )
+        ready = asyncio.ensure_future(link.channel.channel_ready())
+        closing = asyncio.ensure_future(self.closing.wait())
         try:
-            await asyncio.wait_for(link.channel.channel_ready(), RECONNECT_TIMEOUT)
-        except asyncio.TimeoutError:  # not yet TimeoutError itself on Python 3.10
+            done, _ = await asyncio.wait(
+                {ready, closing}, timeout=RECONNECT_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            ready.cancel()
+            closing.cancel()
+        if closing in done:
+            raise TransferError(f"the channel to {link.address} closed: shutting down")
+        if ready not in done:
             raise TransferError(
                 f"{link.address} unreachable for {RECONNECT_TIMEOUT:g} s: {error.details()}"
-            ) from None
+            )
+        ready.result()
 
     async def _read_nixl(self, link: _Link, handle, targets, num_pages):
         """(NIXL, why) once the pages are read into their blocks, or (None, why NIXL was not
