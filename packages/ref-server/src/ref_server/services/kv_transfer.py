@@ -170,8 +170,7 @@ class KvPuller:
         self.nixl_peers: dict[str, NixlPeer | None] = {}  # None: no NIXL from that instance
         self.meeting = asyncio.Lock()  # pulls that start together meet a new peer once
         self.chosen: dict[str, tuple[int, str]] = {}  # address -> (method, why), as logged
-        self.closed = False
-        self.closing = asyncio.Event()  # set by `close`: pulls waiting for a channel give up
+        self.closing = asyncio.Event()  # set by `close`: no new pull, none waits for a channel
 
     def set_peers(self, addresses: list[str]) -> None:
         """Dial only these prefill instances; drop what was kept for others (their channels,
@@ -194,7 +193,6 @@ class KvPuller:
         """At shutdown: refuse new pulls, close every channel (the pulls under way end in
         TransferErrors), wait up to RECONNECT_TIMEOUT for them to end, then stop this side's
         NIXL agent (left to the process's exit while a read still runs on a worker thread)."""
-        self.closed = True
         self.closing.set()
         channels = set(self.peers.values()) | set(self.pulling)
         self.peers.clear()
@@ -220,7 +218,7 @@ class KvPuller:
         """Write pages `index` of the handle's `num_pages` into cache `block`, for each
         (index, block) of targets; returns the method. TransferError when the KV cannot be
         had: the prefill instance is unreachable, its lease ran out, a page is damaged."""
-        if self.closed:
+        if self.closing.is_set():
             raise TransferError("this instance is shutting down")
         if address not in self.peers:
             raise TransferError(f"{address} is not a registered prefill instance")
@@ -370,7 +368,7 @@ class KvPuller:
     def _start_nixl(self) -> bool:
         """Whether this side's agent runs (started on first call; why not, logged once; none
         once `close` ran)."""
-        if self.closed:
+        if self.closing.is_set():
             return False
         if self.nixl is None and self.why_not_nixl is None:
             # imported here: nixl_transfer imports this module (and nixl loads only when used)
