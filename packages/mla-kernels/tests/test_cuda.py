@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mla_kernels
-from mla_kernels import reference
+from mla_kernels import reference, scheduler
 from mla_kernels.testing import decode_case, varlen_seqlens
 
 pytestmark = pytest.mark.gpu
@@ -173,3 +173,42 @@ def test_out_of_range_pages_do_not_fault_inside_a_graph(cuda_generator):
     graph.replay()
     torch.cuda.synchronize()
     assert out[0].isfinite().all()
+
+
+@needs_hopper
+def test_the_schedule_kernel_equals_the_reference_schedule():
+    """The one-block schedule kernel against `schedule_reference` on the CPU, bit for bit:
+    random batches (empty, short and long sequences, up to 5,000 of them: several elements per
+    thread in its scans) at every partition count from 1 to 140, written into poisoned
+    memory."""
+    rng = random.Random(0)
+    cases = [[0], [1], [64], [65], [0, 0, 0], [131072, 5000], [1] * 5000, [4096] * 1024]
+    for _ in range(60):
+        b = rng.choice([1, 2, 7, 64, 131, 1000, 1025, 4999])
+        cases.append([rng.choice([0, rng.randint(1, 64), rng.randint(1, 20000)]) for _ in range(b)])
+    for seqlens, num_parts in zip(cases, itertools.cycle(range(1, 141)), strict=False):
+        for parts in {num_parts, 1, 132}:
+            lengths = torch.tensor(seqlens, dtype=torch.int32)
+            torch.full((parts * 5 + len(seqlens) + 1,), -7, dtype=torch.int32, device="cuda")
+            got = scheduler.schedule(lengths.cuda(), parts)
+            want = scheduler.schedule_reference(lengths, parts)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g.cpu(), w), (seqlens[:8], len(seqlens), parts)
+
+
+@needs_hopper
+def test_the_schedule_kernel_is_one_kernel_and_replays_from_a_cuda_graph():
+    lengths = torch.tensor([100, 0, 7000, 64], dtype=torch.int32, device="cuda")
+    mla_kernels.get_mla_metadata(lengths, 32, 1)  # build and load outside the capture
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        mla_kernels.get_mla_metadata(lengths, 32, 1)
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert [e.name for e in kernels if "schedule" in e.name] and len(kernels) == 1, kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        metadata, splits = mla_kernels.get_mla_metadata(lengths, 32, 1)
+    lengths.copy_(torch.tensor([5, 3000, 0, 129], dtype=torch.int32))
+    graph.replay()
+    want = scheduler.schedule_reference(lengths.cpu(), metadata.shape[0])
+    assert torch.equal(metadata.cpu(), want[0]) and torch.equal(splits.cpu(), want[1])

@@ -23,7 +23,8 @@ PAGE_SIZES = (16, 32, 64, 128)
 def get_mla_metadata(
     cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Schedule the split-KV work of one decode step; call once per step, outside CUDA graphs.
+    """Schedule the split-KV work of one decode step, once per step (no host sync: CUDA graphs
+    may capture it; on Hopper one kernel, `scheduler.schedule`).
 
     cache_seqlens: int32 `[b]`, tokens in each sequence's cache.
     num_heads_per_head_k: query rows per KV head, `s_q * h_q // h_kv`.
