@@ -3,6 +3,10 @@ GPU's measured copy and matmul ceilings, and FlashMLA's own figures on our H200 
 
     python benchmarks/bench_decode.py [--quick] [--json results.json]
 
+Also the whole eager call as a user makes it (`get_mla_metadata`, then
+`flash_mla_with_kvcache`, with and without `check_values`) beside the kernel replayed from a
+CUDA graph, at b = 128, s_k = 4K.
+
 Per call (dtype size 2): FLOPs = 2 * s_q * h_q * sum(seqlen) * (576 + 512);
 bytes = sum(seqlen) * h_kv * token_bytes + b * s_q * h_q * (576 + 512) * 2, where
 token_bytes is 1152 for a bf16 cache and 656 for the FP8 layout.
@@ -15,6 +19,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 
 import torch
 
@@ -108,6 +113,50 @@ def measure(case, s_q: int, h_q: int, limits: dict[str, float]) -> dict:
     }
 
 
+def eager_call_ms(case, h_q: int, check_values: bool) -> float:
+    """Back-to-back eager calls, host and GPU together: wall time per call over a run of calls
+    that ends in one synchronization (a user's loop)."""
+    q = case.q[:, :1, :h_q].contiguous()
+
+    def call():
+        metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, h_q, 1)
+        mla_kernels.flash_mla_with_kvcache(
+            q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+            causal=True, check_values=check_values,
+        )  # fmt: skip
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(20):
+            call()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / 20 * 1e3)
+    return statistics.median(times)
+
+
+def eager_rows(limits: dict[str, float]) -> list[dict]:
+    """The eager call beside the same kernel replayed from a CUDA graph, b = 128, s_k = 4K."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    case = decode_case([4096] * BATCH, 2, 128, device="cuda", generator=generator)
+    rows = []
+    for h_q, check_values in itertools.product((16, 128), (False, True)):
+        eager = eager_call_ms(case, h_q, check_values)
+        kernel = measure(case, 1, h_q, limits)["ms"]
+        row = {"h_q": h_q, "check_values": check_values, "eager_ms": eager, "graph_ms": kernel}
+        rows.append(row | {"eager_over_graph": eager / kernel})
+        print(
+            f"eager call, b {BATCH} s_k 4096 h_q {h_q:3} check_values {check_values!s:5} | "
+            f"{eager:7.3f} ms a call, the kernel from a graph {kernel:7.3f} ms: "
+            f"{eager / kernel:5.2f}x (1.2x asked)",
+            flush=True,
+        )
+    return rows
+
+
 def sweep(quick: bool, limits: dict[str, float]) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -167,6 +216,7 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
         f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
     )
+    eager = eager_rows(limits)
     rows = sweep(args.quick, limits)
     if args.json:
         document = {
@@ -175,6 +225,7 @@ def main() -> None:
             "commit": os.environ.get("BENCH_COMMIT", "unknown"),
             "ceilings": limits,
             "rows": rows,
+            "eager": eager,
         }
         with open(args.json, "w") as f:
             json.dump(document, f, indent=1)
