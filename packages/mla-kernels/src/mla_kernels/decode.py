@@ -71,6 +71,8 @@ def flash_mla_with_kvcache(
     causal: with s_q > 1, query s sees the first `seqlen - s_q + s + 1` tokens.
     check_values: check block_table entries and cache_seqlens against the cache, which costs
         a device-to-host synchronization; skipped while a CUDA graph is being captured.
+        Unchecked, tokens past the block table or on pages whose entry lies outside the cache
+        are not attended.
     Returns out `[b, s_q, h_q, 512]` in q's dtype and lse float32 `[b, h_q, s_q]`; a query that
     sees no token gets out = 0 and lse = +inf.
     """

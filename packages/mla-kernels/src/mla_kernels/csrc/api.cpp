@@ -97,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   params.rows_per_kv = s_q * (h_q / h_kv);
   params.page_size = page_size;
   params.max_blocks_per_seq = block_table.size(1);
+  params.num_blocks = k_cache.size(0);
   params.num_parts = num_parts;
   params.causal = causal;
   params.softmax_scale = static_cast<float>(softmax_scale);

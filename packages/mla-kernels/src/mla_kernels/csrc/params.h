@@ -20,6 +20,7 @@ struct DecodeParams {
   int heads_per_kv;  // h_q / h_kv
   int rows_per_kv;   // s_q * h_q / h_kv: query rows that share one KV head
   int page_size, max_blocks_per_seq;
+  int num_blocks;    // of the cache: block-table entries outside [0, num_blocks) name no block
   int num_parts;
   bool causal;
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
