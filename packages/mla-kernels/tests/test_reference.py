@@ -85,9 +85,9 @@ def test_tokens_without_a_cache_block_are_not_attended(
     metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 16, 1)
     with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 360 is outside"):
         mla_kernels.flash_mla_with_kvcache(*args, metadata, splits, causal=True,
-                                           is_fp8_kvcache=is_fp8_kvcache)  # fmt: skip
-    out, lse = mla_kernels.flash_mla_with_kvcache(
-        *args, metadata, splits, causal=True, is_fp8_kvcache=is_fp8_kvcache, check_values=False
+                                           is_fp8_kvcache=is_fp8_kvcache, check_values=True)  # fmt: skip
+    out, lse = mla_kernels.flash_mla_with_kvcache(  # unchecked, the default
+        *args, metadata, splits, causal=True, is_fp8_kvcache=is_fp8_kvcache
     )
     expected_out, expected_lse = oracle(case, 576**-0.5, True)
     assert not out.isnan().any() and not lse.isnan().any()
