@@ -4,29 +4,33 @@ import pytest
 import torch
 
 from mla_kernels.fp8_layout import dequantize_fp8
-from mla_kernels.testing import DecodeCase
+from mla_kernels.testing import NAN_BYTE, DecodeCase, decode_case
 
 
 def float64_attention(case: DecodeCase, softmax_scale: float, causal: bool):
-    """Token by token in float64, straight from the definition: the independent oracle."""
+    """Token by token in float64, straight from the definition: the independent oracle. A
+    token on a page past the block table, or whose entry lies outside the cache, is not
+    attended."""
     q = case.q.double().cpu()
     cache = case.k_cache.cpu()
     # The FP8 layout is read as value * scale rounded to the queries' dtype.
     dtype = case.q.dtype
     cache = dequantize_fp8(cache).to(dtype).double() if case.is_fp8_kvcache else cache.double()
-    page_size, h_kv = cache.shape[1], cache.shape[2]
+    num_blocks, page_size, h_kv = cache.shape[:3]
     b, s_q, h_q, _ = q.shape
     out = torch.zeros(b, s_q, h_q, 512, dtype=torch.float64)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
     for i, n in enumerate(case.cache_seqlens.tolist()):
-        pages = case.block_table[i].cpu().long()
+        pages = case.block_table[i].tolist()
+        blocks = [pages[t // page_size] if t // page_size < len(pages) else -1 for t in range(n)]
         for s in range(s_q):
             visible = n - s_q + s + 1 if causal else n
-            if visible <= 0:
+            attended = [t for t in range(max(visible, 0)) if 0 <= blocks[t] < num_blocks]
+            if not attended:
                 continue
             tokens = torch.stack(
-                [cache[pages[t // page_size], t % page_size] for t in range(visible)]
-            )  # [visible, h_kv, 576]
+                [cache[blocks[t], t % page_size] for t in attended]
+            )  # [attended, h_kv, 576]
             for h in range(h_q):
                 kv = tokens[:, h // (h_q // h_kv)]
                 scores = kv @ q[i, s, h] * softmax_scale
@@ -38,6 +42,34 @@ def float64_attention(case: DecodeCase, softmax_scale: float, causal: bool):
 @pytest.fixture
 def oracle():
     return float64_attention
+
+
+def case_with_missing_blocks(s_q, h_q, is_fp8_kvcache, device, generator) -> DecodeCase:
+    """Four sequences, pages of 64, whose tokens are partly or wholly without a cache block: a
+    -1 entry inside the first, an entry past the cache at the second's last page, the third
+    40 tokens longer than the table, the fourth all -1. Block 0, where a -1 entry taken as a
+    slot would read, holds NaN."""
+    case = decode_case(
+        [300, 200, 320, 70], s_q, h_q, is_fp8_kvcache=is_fp8_kvcache, device=device,
+        generator=generator,
+    )  # fmt: skip
+    table, cache = case.block_table, case.k_cache
+    num_blocks, page_size = cache.shape[:2]
+    if (table == 0).any():  # move block 0 to a spare one
+        spare = next(b for b in range(num_blocks) if not (table == b).any())
+        cache[spare] = cache[0]
+        table[table == 0] = spare
+    cache[0].view(torch.uint8).fill_(NAN_BYTE)
+    table[0, 1] = -1
+    table[1, 3] = num_blocks + 7
+    case.cache_seqlens[2] = table.shape[1] * page_size + 40
+    table[3] = -1
+    return case
+
+
+@pytest.fixture
+def missing_blocks_case():
+    return case_with_missing_blocks
 
 
 def fresh_generator(device: str) -> torch.Generator:

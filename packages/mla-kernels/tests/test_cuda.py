@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mla_kernels
-from mla_kernels import reference
+from mla_kernels import reference, scheduler
 from mla_kernels.testing import decode_case, varlen_seqlens
 
 pytestmark = pytest.mark.gpu
@@ -156,8 +156,33 @@ def test_opcheck_cuda(cuda_generator):
 
 
 @needs_hopper
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+@pytest.mark.parametrize(("s_q", "h_q"), [(1, 16), (2, 64)])  # FP8: the narrow and wide kernels
+def test_tokens_without_a_cache_block_are_not_attended(
+    s_q, h_q, is_fp8_kvcache, missing_blocks_case, cuda_generator, oracle
+):
+    """Review finding 7: a page past the block table, or a -1 entry, read block 0 into the
+    softmax (here NaN) or zeros with score 0; unchecked, the kernel attends neither."""
+    case = missing_blocks_case(s_q, h_q, is_fp8_kvcache, "cuda", cuda_generator)
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, s_q * h_q, 1)
+    poison_allocator(case)
+    out, lse = mla_kernels.flash_mla_with_kvcache(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+        causal=True, is_fp8_kvcache=is_fp8_kvcache, check_values=False,
+    )  # fmt: skip
+    expected = reference.mla_decode(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 576**-0.5, True,
+        is_fp8_kvcache,
+    )  # fmt: skip
+    assert_close((out, lse), expected)
+    assert (out[3] == 0).all() and torch.isposinf(lse[3]).all()
+    oracle_out, oracle_lse = oracle(case, 576**-0.5, True)
+    assert_close((out.cpu(), lse.cpu()), (oracle_out.to(out.dtype), oracle_lse.float()))
+
+
+@needs_hopper
 def test_out_of_range_pages_do_not_fault_inside_a_graph(cuda_generator):
-    # Value checks are skipped during capture; the TMA engine reads such pages as zeros.
+    # Value checks are skipped during capture; the kernel attends no token of such a page.
     case = decode_case([300, 300], 1, 16, device="cuda", generator=cuda_generator)
     case.block_table[1, 2] = 1 << 20
     metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 16, 1)
@@ -172,4 +197,53 @@ def test_out_of_range_pages_do_not_fault_inside_a_graph(cuda_generator):
         )
     graph.replay()
     torch.cuda.synchronize()
-    assert out[0].isfinite().all()
+    assert out.isfinite().all()
+
+
+def poison_small_blocks():
+    """Empty the allocator's cache, then fill a whole 2 MiB segment of its pool for small
+    tensors with -7 and free it: the small tensors allocated next (an op's outputs and
+    workspace) come from there, so what the op leaves unwritten shows."""
+    torch.cuda.empty_cache()
+    filled = [torch.full((1 << 18,), -7, dtype=torch.int32, device="cuda") for _ in range(2)]
+    del filled
+
+
+@needs_hopper
+def test_the_schedule_kernel_equals_the_reference_schedule():
+    """The one-block schedule kernel against `schedule_reference` on the CPU, bit for bit:
+    random batches (empty, short and long sequences, up to 5,000 of them: several elements per
+    thread in its scans) at every partition count from 1 to 140, written into poisoned
+    memory."""
+    rng = random.Random(0)
+    cases = [[0], [1], [64], [65], [0, 0, 0], [131072, 5000], [1] * 5000, [4096] * 1024]
+    for _ in range(60):
+        b = rng.choice([1, 2, 7, 64, 131, 1000, 1025, 4999])
+        cases.append([rng.choice([0, rng.randint(1, 64), rng.randint(1, 20000)]) for _ in range(b)])
+    for seqlens, num_parts in zip(cases, itertools.cycle(range(1, 141)), strict=False):
+        for parts in {num_parts, 1, 132}:
+            lengths = torch.tensor(seqlens, dtype=torch.int32)
+            lengths_on_gpu = lengths.cuda()
+            poison_small_blocks()
+            got = scheduler.schedule(lengths_on_gpu, parts)
+            want = scheduler.schedule_reference(lengths, parts)
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g.cpu(), w), (seqlens[:8], len(seqlens), parts)
+
+
+@needs_hopper
+def test_the_schedule_kernel_is_one_kernel_and_replays_from_a_cuda_graph():
+    lengths = torch.tensor([100, 0, 7000, 64], dtype=torch.int32, device="cuda")
+    mla_kernels.get_mla_metadata(lengths, 32, 1)  # build and load outside the capture
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        mla_kernels.get_mla_metadata(lengths, 32, 1)
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert [e.name for e in kernels if "schedule" in e.name] and len(kernels) == 1, kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        metadata, splits = mla_kernels.get_mla_metadata(lengths, 32, 1)
+    lengths.copy_(torch.tensor([5, 3000, 0, 129], dtype=torch.int32))
+    graph.replay()
+    want = scheduler.schedule_reference(lengths.cpu(), metadata.shape[0])
+    assert torch.equal(metadata.cpu(), want[0]) and torch.equal(splits.cpu(), want[1])

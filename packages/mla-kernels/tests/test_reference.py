@@ -74,3 +74,25 @@ def test_empty_sequence_gives_zero_and_infinite_lse(generator):
     )
     assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()
     assert lse[1].isfinite().all()
+
+
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+def test_tokens_without_a_cache_block_are_not_attended(
+    is_fp8_kvcache, missing_blocks_case, generator, oracle
+):
+    case = missing_blocks_case(2, 8, is_fp8_kvcache, "cpu", generator)
+    args = (case.q, case.k_cache, case.block_table, case.cache_seqlens, 512)
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, 16, 1)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 360 is outside"):
+        mla_kernels.flash_mla_with_kvcache(*args, metadata, splits, causal=True,
+                                           is_fp8_kvcache=is_fp8_kvcache, check_values=True)  # fmt: skip
+    out, lse = mla_kernels.flash_mla_with_kvcache(  # unchecked, the default
+        *args, metadata, splits, causal=True, is_fp8_kvcache=is_fp8_kvcache
+    )
+    expected_out, expected_lse = oracle(case, 576**-0.5, True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert relative_error(out, expected_out) < 4e-3
+    assert (out[3] == 0).all() and torch.isposinf(lse[3]).all()  # no token left to attend
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isinf(), ~seen)
+    assert (lse[seen].double() - expected_lse[seen]).abs().max() < 1e-4

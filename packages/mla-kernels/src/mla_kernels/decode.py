@@ -23,7 +23,8 @@ PAGE_SIZES = (16, 32, 64, 128)
 def get_mla_metadata(
     cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Schedule the split-KV work of one decode step; call once per step, outside CUDA graphs.
+    """Schedule the split-KV work of one decode step, once per step (no host sync: CUDA graphs
+    may capture it; on Hopper one kernel, `scheduler.schedule`).
 
     cache_seqlens: int32 `[b]`, tokens in each sequence's cache.
     num_heads_per_head_k: query rows per KV head, `s_q * h_q // h_kv`.
@@ -54,7 +55,7 @@ def flash_mla_with_kvcache(
     causal: bool = False,
     is_fp8_kvcache: bool = False,
     *,
-    check_values: bool = True,
+    check_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of `q` over the paged MLA cache.
 
@@ -68,8 +69,10 @@ def flash_mla_with_kvcache(
     tile_scheduler_metadata, num_splits: from `get_mla_metadata` for these cache_seqlens.
     softmax_scale: default 576 ** -0.5.
     causal: with s_q > 1, query s sees the first `seqlen - s_q + s + 1` tokens.
-    check_values: check block_table entries and cache_seqlens against the cache, which costs
+    check_values: a debugging aid: raise ValueError for cache_seqlens beyond the block table
+        and for block_table entries a sequence uses that lie outside the cache, at the cost of
         a device-to-host synchronization; skipped while a CUDA graph is being captured.
+        Unchecked (the default), such tokens are not attended.
     Returns out `[b, s_q, h_q, 512]` in q's dtype and lse float32 `[b, h_q, s_q]`; a query that
     sees no token gets out = 0 and lse = +inf.
     """

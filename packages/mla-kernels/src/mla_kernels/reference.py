@@ -20,8 +20,8 @@ def gather_kv(
     """Every sequence's pages laid end to end: float32 `[b, max_blocks * page_size, h_kv, 576]`.
 
     An FP8 cache is read as its values times their scales, rounded to `dtype` (the queries'),
-    as the kernel reads it. Entries of `block_table` past a sequence's last page may hold
-    anything; they are clamped to a valid page here and their tokens masked by the caller.
+    as the kernel reads it. Entries of `block_table` may hold anything; those outside the cache
+    are clamped to a valid page here and their tokens masked by the caller.
     """
     num_blocks, page_size, h_kv, _ = k_cache.shape
     # Only the pages the table names are converted, not the whole cache.
@@ -44,8 +44,9 @@ def mla_decode(
 
     q `[b, s_q, h_q, 576]`; the first 512 columns of each cached token are V. Query heads
     `[i * h_q / h_kv, (i + 1) * h_q / h_kv)` attend to KV head i. With `causal`, query s sees
-    the first `seqlen - s_q + s + 1` tokens (aligned bottom-right). A query row that sees no
-    token gets out = 0 and lse = +inf. Returns out `[b, s_q, h_q, 512]` in q's dtype and the
+    the first `seqlen - s_q + s + 1` tokens (aligned bottom-right). A token whose block-table
+    entry lies outside the cache is not attended; a query row that sees no token gets out = 0
+    and lse = +inf. Returns out `[b, s_q, h_q, 512]` in q's dtype and the
     natural-log sum of exponentials lse float32 `[b, h_q, s_q]`.
     """
     b, s_q, h_q, _ = q.shape
@@ -55,7 +56,9 @@ def mla_decode(
 
     positions = torch.arange(n, device=q.device)
     seqlens = cache_seqlens.to(device=q.device, dtype=torch.long)
-    stored = positions.view(1, n) < seqlens.view(b, 1)  # [b, n]
+    num_blocks, page_size = k_cache.shape[:2]
+    in_cache = (block_table >= 0) & (block_table < num_blocks)  # [b, max_blocks]
+    stored = (positions.view(1, n) < seqlens.view(b, 1)) & in_cache[:, positions // page_size]
     visible = stored.view(b, 1, n).expand(b, s_q, n)
     if causal:
         last = seqlens.view(b, 1) - s_q + torch.arange(s_q, device=q.device).view(1, s_q)

@@ -6,13 +6,16 @@ balanced by cost: a block costs 1 and every sequence a partition starts or finis
 `FIXED_OVERHEAD_BLOCKS` more (its Q load, epilogue and, when split, the combine). A sequence
 cut across partitions is computed in pieces whose partial results the combine kernel merges.
 
-Everything is computed with tensor ops on the device of `cache_seqlens`, without a host
-synchronization.
+On a device where mla-kernels' CUDA kernel runs (`extension.backend`), one kernel of one block
+computes it (`csrc/schedule_kernel.cuh`); elsewhere `schedule_reference`'s tensor ops do, on
+the device of `cache_seqlens`. Neither synchronizes with the host, so CUDA graphs capture both.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mla_kernels.extension import backend, load_extension
 
 BLOCK_TOKENS = 64
 FIXED_OVERHEAD_BLOCKS = 5
@@ -42,6 +45,16 @@ def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor,
     counts int32 `[b + 1]`: sequence i is computed in `splits[i + 1] - splits[i]` pieces
     (0 for an empty sequence).
     """
+    if backend(cache_seqlens.device) == "cuda":
+        load_extension()
+        return torch.ops.mla_kernels_cuda.mla_schedule(cache_seqlens.contiguous(), num_parts)
+    return schedule_reference(cache_seqlens, num_parts)
+
+
+def schedule_reference(
+    cache_seqlens: torch.Tensor, num_parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`schedule` in tensor ops on any device."""
     seqlens = cache_seqlens.long()
     batch = seqlens.shape[0]
     device = seqlens.device

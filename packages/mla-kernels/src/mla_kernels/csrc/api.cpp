@@ -97,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   params.rows_per_kv = s_q * (h_q / h_kv);
   params.page_size = page_size;
   params.max_blocks_per_seq = block_table.size(1);
+  params.num_blocks = k_cache.size(0);
   params.num_parts = num_parts;
   params.causal = causal;
   params.softmax_scale = static_cast<float>(softmax_scale);
@@ -126,6 +127,25 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
     launch<__half>(params, combine, is_fp8_kvcache, stream);
   }
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> mla_schedule(const at::Tensor& cache_seqlens, int64_t num_parts) {
+  TORCH_CHECK(cache_seqlens.is_cuda() && cache_seqlens.scalar_type() == at::kInt && cache_seqlens.dim() == 1 &&
+                  cache_seqlens.numel() > 0 && cache_seqlens.is_contiguous(),
+              "cache_seqlens must be a non-empty contiguous 1-D int32 CUDA tensor");
+  TORCH_CHECK(num_parts >= 1, "num_parts must be >= 1, got ", num_parts);
+  const c10::cuda::CUDAGuard guard(cache_seqlens.device());
+  const int64_t batch = cache_seqlens.size(0);
+  const auto options = cache_seqlens.options();
+  at::Tensor metadata = at::empty({num_parts, kMetadataWidth}, options);
+  at::Tensor splits = at::empty({batch + 1}, options);
+  at::Tensor workspace = at::empty({4 * batch + num_parts + 3}, options.dtype(at::kLong));
+  const ScheduleParams params{cache_seqlens.data_ptr<int>(), batch,
+                              num_parts,                     metadata.data_ptr<int>(),
+                              splits.data_ptr<int>(),        workspace.data_ptr<int64_t>()};
+  run_schedule(params, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {metadata, splits};
 }
 
 }  // namespace mla

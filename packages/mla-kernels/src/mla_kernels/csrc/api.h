@@ -14,4 +14,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
                                               const at::Tensor& num_splits, double softmax_scale, bool causal,
                                               bool is_fp8_kvcache);
 
+// The CUDA implementation of mla_kernels.scheduler.schedule (see there).
+std::tuple<at::Tensor, at::Tensor> mla_schedule(const at::Tensor& cache_seqlens, int64_t num_parts);
+
 }  // namespace mla

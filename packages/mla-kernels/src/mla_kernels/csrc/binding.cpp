@@ -1,4 +1,4 @@
-// Registers the CUDA ops; torch.ops.mla_kernels.mla_decode (mla_kernels/decode.py) calls them.
+// Registers the CUDA ops; mla_kernels/decode.py and mla_kernels/scheduler.py call them.
 #include <torch/library.h>
 
 #include "api.h"
@@ -8,6 +8,10 @@ TORCH_LIBRARY(mla_kernels_cuda, m) {
       "mla_decode(Tensor q, Tensor k_cache, Tensor block_table, Tensor cache_seqlens, "
       "Tensor tile_scheduler_metadata, Tensor num_splits, float softmax_scale, bool causal, "
       "bool is_fp8_kvcache) -> (Tensor, Tensor)");
+  m.def("mla_schedule(Tensor cache_seqlens, int num_parts) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(mla_kernels_cuda, CUDA, m) { m.impl("mla_decode", &mla::mla_decode); }
+TORCH_LIBRARY_IMPL(mla_kernels_cuda, CUDA, m) {
+  m.impl("mla_decode", &mla::mla_decode);
+  m.impl("mla_schedule", &mla::mla_schedule);
+}

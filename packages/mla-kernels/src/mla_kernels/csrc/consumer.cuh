@@ -52,8 +52,9 @@ __device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, in
     bool segment_done = false;
     while (!segment_done) {
       const int stage = j % kStages;
-      const int length = tile.length(), first_token = tile.token;
+      const int first_token = tile.token;
       ClusterBarrier::wait(&s.k_full[stage], (j / kStages) & 1);
+      const uint64_t attended = s.attended[stage];
       const uint64_t k_desc = k_desc0 + stage * kStageStep, v_desc = v_desc0 + stage * kStageStep;
       float factor[2];
       if (wg == 0) {
@@ -78,7 +79,7 @@ __device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, in
           const int half = (i % 4) / 2;
           const int col = (i / 4) * 8 + frag.col + (i % 2);
           const int last_visible = query_rows[half].last_visible(p, segment.seqlen);
-          if (col >= length || first_token + col > last_visible) scores[i] = -INFINITY;
+          if (!((attended >> col) & 1) || first_token + col > last_visible) scores[i] = -INFINITY;
           tile_max[half] = fmaxf(tile_max[half], scores[i]);
         }
 #pragma unroll
@@ -114,8 +115,8 @@ __device__ void consume(const DecodeParams& p, SharedStorage<T>& s, int head, in
         cutlass::arch::fence_view_async_shared();
         NamedBarrier::arrive_and_wait(kConsumerThreads, kPReady);
       } else {
-        if (length < kBlockN) {
-          zero_tail_rows<T>(s.k[stage], length, tid);
+        if (attended != kAllRows) {
+          zero_unattended_rows<T>(s.k[stage], attended, tid);
           cutlass::arch::fence_view_async_shared();
         }
         NamedBarrier::arrive_and_wait(kConsumerThreads, kPReady);

@@ -78,9 +78,10 @@ __device__ void consume_narrow(const DecodeParams& p, SharedStorage<T>& s, int h
     while (!segment_done) {
       const int stage = j % kStages;
       if (stage == wg) {
-        const int length = tile.length(), first_token = tile.token;
+        const int first_token = tile.token;
         ClusterBarrier::wait(&s.k_full[stage], (j / kStages) & 1);
-        if (length < kBlockN) zero_tail_rows<T>(s.k[stage], length, tid);
+        const uint64_t attended = s.attended[stage];
+        if (attended != kAllRows) zero_unattended_rows<T>(s.k[stage], attended, tid);
 
         float scores[kN / 2];  // scores[4 i + 2 half + e]: token row + 8 half, query column 2 i + e
         fence_accumulators(scores);
@@ -101,7 +102,8 @@ __device__ void consume_narrow(const DecodeParams& p, SharedStorage<T>& s, int h
 #pragma unroll
         for (int i = 0; i < kN / 2; ++i) {
           const int c = (i / 4) * 2 + i % 2, token = row + ((i % 4) / 2) * 8;
-          if (token >= length || first_token + token > segment.seqlen + last_visible_offset[c]) scores[i] = -INFINITY;
+          if (!((attended >> token) & 1) || first_token + token > segment.seqlen + last_visible_offset[c])
+            scores[i] = -INFINITY;
           tile_max[c] = fmaxf(tile_max[c], scores[i]);
         }
 #pragma unroll

@@ -44,6 +44,7 @@ struct SharedStorage {
   alignas(128) float fp8_scales[kStages][kBlockN * 4];  // FP8: the raw tile's scales, by TMA
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t raw_full[kStages];  // FP8: a stage's raw tokens have landed
+  uint64_t attended[kStages];  // bit r: row r of the stage's tile holds a token to attend
 };
 
 template <typename T>
@@ -105,14 +106,19 @@ __device__ void load_q(const DecodeParams& p, T* sq, int batch, int head, int ro
   }
 }
 
-// Zero V's columns of the rows at or past `length` of a TMA-filled tile: those slots may hold
-// NaN, and a zero probability times NaN is NaN.
+constexpr uint64_t kAllRows = ~0ull;  // kBlockN == 64 rows
+static_assert(kBlockN == 64, "a tile's rows are the bits of a uint64_t");
+
+// Zero V's columns of the rows of a tile not `attended`: those slots may hold NaN (past the
+// sequence, or left from an earlier tile), and a zero probability times NaN is NaN.
 template <typename T>
-__device__ void zero_tail_rows(T* tile, int length, int tid) {  // by one warpgroup
+__device__ void zero_unattended_rows(T* tile, uint64_t attended, int tid) {  // by one warpgroup
   constexpr int kPieces = kHeadDimV / 8;
-  for (int i = tid; i < (kBlockN - length) * kPieces; i += 128) {
-    const int row = length + i / kPieces, piece = i % kPieces;
-    *reinterpret_cast<uint4*>(tile + swizzled_offset(kBlockN, row, piece * 8)) = make_uint4(0, 0, 0, 0);
+  for (int i = tid; i < kBlockN * kPieces; i += 128) {
+    const int row = i / kPieces, piece = i % kPieces;
+    if (!((attended >> row) & 1)) {
+      *reinterpret_cast<uint4*>(tile + swizzled_offset(kBlockN, row, piece * 8)) = make_uint4(0, 0, 0, 0);
+    }
   }
 }
 

@@ -20,6 +20,7 @@ struct DecodeParams {
   int heads_per_kv;  // h_q / h_kv
   int rows_per_kv;   // s_q * h_q / h_kv: query rows that share one KV head
   int page_size, max_blocks_per_seq;
+  int num_blocks;    // of the cache: block-table entries outside [0, num_blocks) name no block
   int num_parts;
   bool causal;
   float softmax_scale, scale_log2;  // scale_log2 = softmax_scale * log2(e)
@@ -53,6 +54,17 @@ struct CombineParams {
   float* lse;                // [b, h_q, s_q]
 };
 
+// One decode step's tile schedule (scheduler.py); the workspace holds 4 * batch + num_parts + 3
+// int64 values.
+struct ScheduleParams {
+  const int* cache_seqlens;  // [batch]
+  int64_t batch;
+  int64_t num_parts;
+  int* metadata;             // [num_parts, kMetadataWidth]: scheduler.py's columns
+  int* splits;               // [batch + 1]
+  int64_t* workspace;
+};
+
 // Query rows per KV head up to which the decode kernel swaps them into the N dimension of its
 // products (consumer_narrow.cuh): 16 with an FP8 cache, else 0 (the 64-row consumers). 32-row
 // narrow consumers spill at the FP8 kernel's register split and were no faster (NOTES.md).
@@ -64,5 +76,7 @@ void run_decode(const DecodeParams& params, cudaStream_t stream);
 
 template <typename T>
 void run_combine(const CombineParams& params, cudaStream_t stream);
+
+void run_schedule(const ScheduleParams& params, cudaStream_t stream);
 
 }  // namespace mla

@@ -7,7 +7,9 @@
 // warpgroup then dequantizes the latent columns in place (and converts the rope for fp16
 // queries). The copies of one stage are in flight while the other is dequantized or read, and
 // no registers wait on them.
-// Slots past a tile's length are left as they are; the consumers zero their V columns.
+// Rows of a tile with no token to attend (past its length, or on a page the block table gives
+// no cache block) are not copied; the tile's `attended` bits say which rows are, and the
+// consumers mask the others and zero their V columns.
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -22,17 +24,21 @@ namespace mla {
 constexpr int kFp8RawOffset = kBlockN * kHeadDimV;
 constexpr int kFp8RowBytes = kHeadDimV;
 
-// The cache slot holding token `token` of sequence `batch`; -1 for a page index past the block
-// table (the TMA engine reads it as zeros).
+// The cache slot holding token `token` of sequence `batch`, or -1 where there is none: a page
+// past the block table, or a table entry outside the cache. Such tokens are not attended (a
+// TMA box at a negative slot would fill only its rows before slot 0 with zeros and read block
+// 0 into the rest).
 __device__ __forceinline__ int cache_slot(const DecodeParams& p, int batch, int token) {
   const int page = token / p.page_size;
   if (page >= p.max_blocks_per_seq) return -1;
   const int block = __ldg(p.block_table + batch * p.max_blocks_per_seq + page);
+  if (block < 0 || block >= p.num_blocks) return -1;
   return block * p.page_size + token % p.page_size;
 }
 
-// The TMA copies of one tile into `stage`, completing `full` (by one thread). A 16-bit tile is
-// nine 64-column boxes per page; an FP8 tile is a raw box and a rope box per page.
+// The TMA copies of one tile into `stage`, completing `full`, and the tile's attended rows (by
+// one thread). A 16-bit tile is nine 64-column boxes per page; an FP8 tile is a raw box and a
+// rope box per page. A box lies within one page: pages are whole tiles or divide one.
 template <typename T, bool kFp8>
 __device__ void issue_tile_copies(const DecodeParams& p, SharedStorage<T>& s, const TileCursor& tile, int stage,
                                   int head, uint64_t* full) {
@@ -41,12 +47,24 @@ __device__ void issue_tile_copies(const DecodeParams& p, SharedStorage<T>& s, co
   constexpr int kColumnShift = kFp8 ? (kFp8TokenBytes - 128) / 2 - kHeadDimV : 0;  // column 512 in the map
   constexpr int kTokenBytes = kFp8 ? kFp8TokenBytes : kHeadDim * sizeof(T);
   const int box_rows = min(p.page_size, kBlockN);  // whole pages, or tile-sized pieces of one
-  const int boxes = (tile.length() + box_rows - 1) / box_rows;
-  ClusterTransactionBarrier::arrive_and_expect_tx(full, boxes * box_rows * kTokenBytes);
+  const int length = tile.length(), boxes = (length + box_rows - 1) / box_rows;
+  const uint64_t box_bits = box_rows == kBlockN ? kAllRows : (1ull << box_rows) - 1;
+  uint64_t attended = length == kBlockN ? kAllRows : (1ull << length) - 1;
+  int copied = 0;
+  for (int i = 0; i < boxes; ++i) {
+    if (cache_slot(p, tile.batch, tile.token + i * box_rows) < 0) {
+      attended &= ~(box_bits << (i * box_rows));
+    } else {
+      ++copied;
+    }
+  }
+  s.attended[stage] = attended;  // published by the arrive below (release semantics)
+  ClusterTransactionBarrier::arrive_and_expect_tx(full, copied * box_rows * kTokenBytes);
   uint8_t* tile_bytes = reinterpret_cast<uint8_t*>(s.k[stage]);
   for (int i = 0; i < boxes; ++i) {
     const int row = i * box_rows;
     const int slot = cache_slot(p, tile.batch, tile.token + row);
+    if (slot < 0) continue;
 #pragma unroll
     for (int c = kFirstChunk; c < kHeadDim / kChunkCols; ++c) {
       cute::SM90_TMA_LOAD_3D::copy(&p.kv_tensor_map, full, kCacheHint,
