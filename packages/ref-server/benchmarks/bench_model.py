@@ -11,8 +11,11 @@ size: one cached prefill step of `--prompt` tokens per sequence, eagerly and (on
 `--prefill-graph-tokens` tokens a step) replayed piecewise from CUDA graphs (`PrefillGraphs`),
 then `--steps` decode steps of one random token per sequence (absorbed MLA through
 mla_kernels), eagerly and replayed from CUDA graphs (`DecodeGraphs`, on CUDA), each timed as
-the median of its repetitions (after two untimed calls) with the device synchronized. The
-ratios are of the graphs' figures where there are graphs.
+the median of its repetitions (after two untimed calls) with the device synchronized: these
+carry the host's part of a step (its inputs, the metadata). On CUDA also the decode graph's
+replay alone (GPU ms a step: 10 replays back to back between events, the median of `--reps`),
+which moves only with the kernels, for A/B comparisons of kernel changes. The ratios are of
+the graphs' figures where there are graphs.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
@@ -67,6 +70,23 @@ def median_seconds(fn, device, reps: int) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def replay_seconds(replay, reps: int, group: int = 10) -> float:
+    """GPU time of one replay of a CUDA graph: `group` replays back to back between two events
+    (the queue stays full, so the host's launch cost hides), the median over `reps` groups. It
+    moves only with the kernels, where the decode figures also carry the host's step."""
+    replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(group):
+            replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / group)
     return statistics.median(times)
 
 
@@ -220,7 +240,8 @@ def run(
     model, batch, prompt, steps, device, reps, graph_tokens, profiling=False, trace=None
 ):  # fmt: skip
     """Seconds of a prefill step (eager, and on CUDA from `PrefillGraphs` up to graph_tokens
-    tokens) and of a decode step, eager and (on CUDA) from CUDA graphs,
+    tokens) and of a decode step (eager; on CUDA from CUDA graphs, and the graph's replay alone,
+    `replay_seconds`),
     the context after the timed decode steps, with `profiling` each step's `profile_step`
     (trace: `--trace`), and the experts each MoE layer's tokens chose in each kind of step
     (one eager step of the same inputs: prefill; of random tokens like the timed ones: decode)."""
@@ -259,16 +280,17 @@ def run(
 
     eager_s = median_seconds(lambda: decode(eager), device, steps)
     reached["decode"] = reached_experts(model, lambda: decode(eager))
-    graphs_s = None
+    graphs_s = replay_s = None
     context = length[0]
     decode_trace = trace_path(trace, "decode")
     if device.type == "cuda":
         graphs = M.DecodeGraphs(model, cache, max_batch=batch, max_blocks=pages)
         graphs_s = median_seconds(lambda: decode(graphs), device, steps)
         context = length[0]
+        decode(graphs)  # fills the graph's inputs: the replays below are the kernels alone
+        graph = graphs.graphs[graphs.bucket(batch)]
+        replay_s = replay_seconds(graph.replay, reps)
         if profiling:
-            decode(graphs)  # fills the graph's inputs: the profile sees the replay alone
-            graph = graphs.graphs[graphs.bucket(batch)]
             found = profile_step(graph.replay, device, "CUDA-graph replay", decode_trace)
             if found["kernels"]["count"]:
                 profiles["decode"] = found
@@ -278,7 +300,8 @@ def run(
         if device.type == "cuda":
             source += ": the profiler saw no kernels in a CUDA-graph replay"
         profiles["decode"] = profile_step(lambda: decode(eager), device, source, decode_trace)
-    return (prefill_s, prefill_graphs_s), eager_s, graphs_s, context, profiles, reached
+    decode_s = (eager_s, graphs_s, replay_s)
+    return (prefill_s, prefill_graphs_s), decode_s, context, profiles, reached
 
 
 def main() -> None:
@@ -335,12 +358,12 @@ def main() -> None:
         )
     print(
         "batch | prefill tok/s: graphs | eager | roofline | ratio | decode tok/s: graphs | eager "
-        "| roofline | ratio | experts chosen a layer: prefill / decode"
+        "| roofline | ratio | GPU ms a step (replay) | experts chosen a layer: prefill / decode"
     )
     rows = []
     profiled = None
     for i, batch in enumerate(map(int, options.batches.split(","))):
-        (prefill_eager_s, prefill_graphs_s), eager_s, graphs_s, context, profiles, reached = run(
+        (prefill_eager_s, prefill_graphs_s), decode_times, context, profiles, reached = run(
             model,
             batch,
             options.prompt,
@@ -353,6 +376,7 @@ def main() -> None:
         )
         if profiles:
             profiled = dict(batch=batch, **profiles)
+        eager_s, graphs_s, replay_s = decode_times
         decode_s = graphs_s or eager_s
         prefill_s = prefill_graphs_s or prefill_eager_s
         bounds = []
@@ -377,18 +401,20 @@ def main() -> None:
                 decode_tok_s=decode,
                 decode_eager_tok_s=eager,
                 decode_roofline=decode_bound,
+                decode_replay_ms=replay_s and replay_s * 1e3,
                 prefill_experts_reached=reached["prefill"],
                 decode_experts_reached=reached["decode"],
             )
         )
         graphs = f"{decode:20.1f}" if graphs_s else f"{'-':>20}"
         prefill_graphs = f"{prefill:22.0f}" if prefill_graphs_s else f"{'-':>22}"
+        replay = f"{replay_s * 1e3:22.3f}" if replay_s else f"{'-':>22}"
         mean = {step: sum(r) / len(r) for step, r in reached.items()}
         print(
             f"{batch:5d} | {prefill_graphs} | {prefill_eager:5.0f} | {prefill_bound:8.0f} | "
             f"{prefill / prefill_bound:5.2f} "
             f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f} "
-            f"| {mean['prefill']:5.1f} / {mean['decode']:5.1f}"
+            f"| {replay} | {mean['prefill']:5.1f} / {mean['decode']:5.1f}"
         )
     if profiled:
         for step in ("prefill", "decode"):
