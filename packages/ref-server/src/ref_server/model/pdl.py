@@ -13,6 +13,7 @@ WIP A/B switch (remove once measured): REF_SERVER_EXP_PDL=1 turns it on, on sm90
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -23,5 +24,10 @@ ENABLED = os.environ.get("REF_SERVER_EXP_PDL", "0") == "1"
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a Triton kernel's launch that takes `PDL: tl.constexpr` and starts
     with `pdl_prologue`'s lines: PDL on where the experiment is on and the device has it."""
-    on = ENABLED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    on = ENABLED and device.type == "cuda" and _has_pdl(device.index)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _has_pdl(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
