@@ -22,12 +22,15 @@ ENABLED = os.environ.get("REF_SERVER_EXP_PDL", "0") == "1"
 
 
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for a Triton kernel's launch that takes `PDL: tl.constexpr` and starts
-    with `pdl_prologue`'s lines: PDL on where the experiment is on and the device has it."""
-    on = ENABLED and device.type == "cuda" and _has_pdl(device.index)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    """Keyword arguments for the launch of a Triton kernel that takes `PDL: tl.constexpr` and,
+    with it, starts with gdc_wait and gdc_launch_dependents: on where the experiment is on and
+    the device has programmatic dependent launch."""
+    if not ENABLED or device.type != "cuda":
+        return {"PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _has_pdl(index) else {"PDL": False}
 
 
 @functools.cache
-def _has_pdl(index: int | None) -> bool:
+def _has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
