@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
 from ref_server.model import fp8_cast
 from ref_server.model.fp8_cast import BLOCK_ROWS, NUM_WARPS, blocks, cast_activations
+from ref_server.model.pdl import launch_options
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Columns per program of silu_mul: 1024 values are 8 for each thread of 4 warps (16 bytes of
@@ -130,6 +131,7 @@ def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             BLOCK=block,
             num_warps=block // 256 or 1,
             enable_reflect_ftz=False,
+            **launch_options(gate.device),
         )
     return out
 
@@ -166,6 +168,7 @@ def triton_silu_mul_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Ten
             BLOCK_ROWS=BLOCK_ROWS,
             num_warps=NUM_WARPS,
             enable_reflect_ftz=False,
+            **launch_options(gate.device),
         )
     return values, scales
 
@@ -226,8 +229,12 @@ def _silu_mul_kernel(
     up_stride,
     LIBDEVICE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program (r, c): columns [c BLOCK, (c + 1) BLOCK) of out[r] = silu(gate[r]) * up[r]."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < inter
@@ -251,9 +258,13 @@ def _silu_mul_fp8_kernel(
     NATIVE_CAST: tl.constexpr,  # round with Triton's fp32 -> e4m3 conversion (sm90 and later)
     LIBDEVICE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program p, with t, c = divmod(p, groups): tokens [t BLOCK_ROWS, (t + 1) BLOCK_ROWS),
     channels [128 c, 128 (c + 1)) of silu(gate) * up, cast to values and scales."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     GROUP: tl.constexpr = 128
     pid = tl.program_id(0)
     group = pid % groups

@@ -44,6 +44,8 @@ import functools
 
 import torch
 
+from ref_server.model.pdl import launch_options
+
 CHUNK = 2048  # slots ranked together: every decode batch (256 tokens x 8) is one chunk
 BLOCK = 16  # slots (or experts) a placing program ranks
 MAX_EXPERTS = 1023  # the kernels count one bin per expert and one for -1, 1024 bins at most
@@ -189,9 +191,10 @@ def triton_moe_sort_by_expert(
     with cuda:
         if chunks > 1:
             counts = torch.empty(chunks, bins, dtype=torch.int32, device=device)
-            count_kernel[(chunks,)](ids, counts, slots, num_experts, CHUNK=chunk, BINS=bins)
+            pdl = launch_options(ids.device)
+            count_kernel[(chunks,)](ids, counts, slots, num_experts, CHUNK=chunk, BINS=bins, **pdl)
             bases = torch.empty(chunks, bins, dtype=torch.int32, device=device)
-            scan_kernel[(1,)](counts, bases, chunks, ROWS=SCAN_ROWS, BINS=bins, num_warps=8)
+            scan_kernel[(1,)](counts, bases, chunks, ROWS=SCAN_ROWS, BINS=bins, num_warps=8, **pdl)
         grid = (triton.cdiv(slots, BLOCK) + triton.cdiv(num_experts, BLOCK),)
         place_kernel[grid](
             ids,
@@ -212,6 +215,7 @@ def triton_moe_sort_by_expert(
             COLUMNS=columns,
             SINGLE_CHUNK=chunks == 1,
             num_warps=4,
+            **launch_options(ids.device),
         )
     return outputs
 
@@ -244,9 +248,13 @@ def _count_kernel(
     num_experts,
     CHUNK: tl.constexpr,
     BINS: tl.constexpr,  # a power of two above num_experts
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program c: counts[c, b] = the slots of chunk c in bin b (bin e: expert e; bin
     num_experts: -1 or an id out of range; the bins above: none)."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     chunk = tl.program_id(0)
     slot = chunk * CHUNK + tl.arange(0, CHUNK)
     live = slot < slots
@@ -261,10 +269,14 @@ def _scan_kernel(
     chunks,
     ROWS: tl.constexpr,  # chunks summed at once
     BINS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """One program: bases[c, b] = the slots in bins below b, plus those in bin b of chunks
     before c, minus those of chunk c in bins below b. A slot's sorted place is then
     bases[its chunk, its bin] plus the slots of its chunk that sort before it."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bins = tl.arange(0, BINS)
     totals = tl.zeros([BINS], dtype=tl.int32)
     first = 0
@@ -302,6 +314,7 @@ def _place_kernel(
     HIDDEN: tl.constexpr,
     COLUMNS: tl.constexpr,  # of x copied at once
     SINGLE_CHUNK: tl.constexpr,  # slots <= CHUNK: every base is 0
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """The first cdiv(slots, BLOCK) programs place BLOCK slots each: order[place] = slot,
     rows[slot] = place (-1 for a -1 slot) and, with x, gathered[place] = x[slot // k]. The
@@ -309,6 +322,9 @@ def _place_kernel(
     came before every other (so the slots of bins up to e). Slot i of bin b sorts after the
     slots with a smaller (bin, index) pair: each program counts those of the chunk it lies in
     (chunk 0 for the ends) and adds the chunk's base for b (see _scan_kernel)."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     program = tl.program_id(0)
     slot_programs = tl.cdiv(slots, BLOCK)
     places_slots = program < slot_programs

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
+from ref_server.model.pdl import launch_options
 
 BLOCK = 128  # channels per scale
 FP8 = torch.float8_e4m3fn
@@ -132,6 +133,7 @@ def triton_cast_activations(
             NATIVE_CAST=native_cast,
             BLOCK_ROWS=BLOCK_ROWS,
             num_warps=NUM_WARPS,
+            **launch_options(x.device),
         )
     return values, scales
 
@@ -166,7 +168,11 @@ def _cast_kernel(
     FP8_MAX: tl.constexpr,
     NATIVE_CAST: tl.constexpr,  # round with Triton's fp32 -> e4m3 conversion (sm90 and later)
     BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     GROUP: tl.constexpr = 128
     pid = tl.program_id(0)
     group = pid % groups

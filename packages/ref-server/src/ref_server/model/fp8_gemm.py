@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from ref_server.model import cutlass_gemm
+from ref_server.model.pdl import launch_options
 
 BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
 FP8 = torch.float8_e4m3fn
@@ -399,11 +400,14 @@ def triton_block_gemm(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         num_warps=config.num_warps,
+        **launch_options(x.device),
         num_stages=config.num_stages,
     )
     if split_k > 1:  # added in order in fp32, rounded once into out's dtype
         numel = rows * n
-        sum_splits[(triton.cdiv(numel, SUM_BLOCK),)](partial, out, numel, split_k, SUM_BLOCK)
+        sum_splits[(triton.cdiv(numel, SUM_BLOCK),)](
+            partial, out, numel, split_k, SUM_BLOCK, **launch_options(x.device)
+        )
     return out.view(layout.out_shape)
 
 
@@ -425,9 +429,19 @@ def _triton_kernels():
     return triton, gemm, triton.jit(_sum_splits_kernel, do_not_specialize=["numel"])
 
 
-def _sum_splits_kernel(partial, out, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    partial,
+    out,
+    numel,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
+):
     """out[i] = the sum over s of partial[s, i] (fp32 [SPLIT_K, numel]), in order, in fp32,
     rounded once to out's dtype (torch.sum into a bf16 out ran as a bf16 reduction on the H200)."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = index < numel
     total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -466,7 +480,11 @@ def _block_gemm_kernel(
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing K_BLOCKS / SPLIT_K blocks
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     SWIZZLE: tl.constexpr = 8  # row tiles that sweep the columns together (L2 reuse of w)
     K_STEPS: tl.constexpr = K_BLOCKS // SPLIT_K
     tile_cols = tl.cdiv(n, BLOCK_N)

@@ -26,6 +26,7 @@ import torch
 
 import mla_kernels
 from ref_server.model.norm_kernels import KERNEL_DTYPES, _rms_norm_reference
+from ref_server.model.pdl import launch_options
 from ref_server.model.rope_kernels import _rotated
 from ref_server.model.rope_kernels import check_inputs as check_rope
 
@@ -124,6 +125,7 @@ def triton_cache_latent(kv, weight, eps, cos, sin, interleave, cache, slot_mappi
             HALF=ROPE // 2,
             num_warps=2,  # rms_norm's kernel's for 512 values: the mean's sum in its order
             enable_fp_fusion=False,
+            **launch_options(kv.device),
         )
 
 
@@ -154,10 +156,14 @@ def _cache_latent_kernel(
     INTERLEAVE: tl.constexpr,  # pair i is dims (2i, 2i + 1), else (i, HALF + i)
     LATENT: tl.constexpr,
     HALF: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program t: cache[slots[t]] = [rms_norm(kv[t, :LATENT]) in its output dtype, rope of
     kv[t, LATENT:] in kv's dtype], each rounded as the two operators' kernels round, then to
     the cache's dtype."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     row = kv + token * kv_stride
     dtype = kv.dtype.element_ty

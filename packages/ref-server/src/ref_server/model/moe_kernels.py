@@ -12,17 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
+from ref_server.model.pdl import launch_options
+
 # Columns per program: 1024 bf16 values are 16 bytes for each of 4 warps' threads.
 MAX_BLOCK = 1024
 
 
 @triton.jit
 def _weighted_sum_kernel(
-    y, rows, weights, out, hidden, y_stride, K: tl.constexpr, BLOCK: tl.constexpr
+    y,
+    rows,
+    weights,
+    out,
+    hidden,
+    y_stride,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program (t, c): columns [c BLOCK, (c + 1) BLOCK) of out[t] = the sum over slots j of
     weights[t, j] * y[rows[t, j]]; y `[m, hidden]` with row stride y_stride, rows `[n, K]`
     int64, weights `[n, K]` fp32, out `[n, hidden]` contiguous."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < hidden
@@ -62,5 +75,6 @@ def weighted_sum(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> 
             K=k,
             BLOCK=block,
             num_warps=block // 256 or 1,
+            **launch_options(y.device),
         )
     return out

@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from ref_server.model.pdl import launch_options
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest row the kernel holds in registers: 32 fp32 values for each thread of 16 warps. Wider
 # rows, and other dtypes, take the default implementation on CUDA too.
@@ -171,6 +173,7 @@ def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor
             ADD=residual is not None,
             BLOCK=block,
             num_warps=num_warps,
+            **launch_options(x.device),
         )
     return total, out
 
@@ -200,10 +203,14 @@ def _rms_norm_kernel(
     eps,  # fp32
     ADD: tl.constexpr,  # normalize x + residual (rounded to x's dtype) and write it to total
     BLOCK: tl.constexpr,  # the power of two at or above dim
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program r: out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps) in fp32, rounded to x's dtype)
     times weight, computed in fp32 and rounded to out's dtype; with ADD, x[r] is first
     x[r] + residual[r], rounded to x's dtype and stored in total[r]."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < dim

@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from ref_server.model.pdl import launch_options
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Pairs a program rotates: 4 for each thread of 4 warps (16 heads of DeepSeek's 32 pairs).
 # Wider rope, and other dtypes, take the default implementation on CUDA too.
@@ -242,6 +244,7 @@ def triton_rope(
             HEAD_BLOCK=head_block,
             PAIR_BLOCK=pair_block,
             num_warps=max(head_block * pair_block // 128, 1),
+            **launch_options(x.device),
             enable_fp_fusion=False,
         )
     return out
@@ -282,9 +285,13 @@ def _rope_kernel(
     IN_PLACE: tl.constexpr,  # out is x: every thread reads before any writes
     HEAD_BLOCK: tl.constexpr,  # heads a program rotates
     PAIR_BLOCK: tl.constexpr,  # the power of two at or above half
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program (row, j), row = b * tokens + t: heads [j HEAD_BLOCK, (j + 1) HEAD_BLOCK) of
     x[b, t] rotated by cos[t] and sin[t], each product and each sum rounded to x's dtype."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     batch, token = row // tokens, row % tokens
     head = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)[:, None]

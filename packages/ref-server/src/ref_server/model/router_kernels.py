@@ -39,6 +39,8 @@ import functools
 
 import torch
 
+from ref_server.model.pdl import launch_options
+
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Most experts the kernel holds in registers (32 per thread of its 1 to 4 warps); more take the
 # default implementation on CUDA too.
@@ -212,6 +214,7 @@ def triton_moe_route(
             GROUP_BLOCK=triton.next_power_of_2(group_size),
             K_BLOCK=triton.next_power_of_2(k),
             num_warps=min(max(tile // 256, 1), 4),
+            **launch_options(logits.device),
         )
     return weights, ids
 
@@ -249,11 +252,15 @@ def _moe_route_kernel(
     GROUPS_BLOCK: tl.constexpr,  # the powers of two at or above GROUPS, GROUP_SIZE and K
     GROUP_BLOCK: tl.constexpr,
     K_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program t routes token t: the k best choices (score + bias) of the experts in the
     TOPK_GROUP groups of best top-two sums, ties to the lower id, NaN as -inf; their scores,
     normalized, times scaling; for a row that is no token, weights 0 and ids -1. See the
     module docstring."""
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_BLOCK)
     member = tl.arange(0, GROUP_BLOCK)[None, :]
