@@ -307,9 +307,9 @@ class MoE(nn.Module):
         state.mlp_out = routed if shared is None else routed + shared
 
 
-# WIP A/B switch (remove once measured): REF_SERVER_SHARED_STREAM=0 keeps the shared experts on
-# the main stream.
-SHARED_STREAM = os.environ.get("REF_SERVER_SHARED_STREAM", "1") == "1"
+# WIP A/B switch (remove once measured): REF_SERVER_EXP_SHARED_STREAM=1 puts the shared experts
+# on their own stream.
+SHARED_STREAM = os.environ.get("REF_SERVER_EXP_SHARED_STREAM", "0") == "1"
 
 
 @functools.cache
