@@ -294,8 +294,7 @@ class MoE(nn.Module):
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             state.shared_out = self.shared_experts(x)
-        x.record_stream(side)  # its memory is not reused before the side stream is done
-        state.shared_stream = side
+        state.shared_stream, state.shared_in = side, x  # x lives until the side stream joins
 
     def op_combine_b(self, state) -> None:
         state.routed_out = state.pop("combined")
@@ -303,6 +302,7 @@ class MoE(nn.Module):
     def op_output(self, state) -> None:
         if "shared_stream" in state:
             torch.cuda.current_stream().wait_stream(state.pop("shared_stream"))
+            state.pop("shared_in")
         routed, shared = state.pop("routed_out").to(self.dtype), state.pop("shared_out")
         state.mlp_out = routed if shared is None else routed + shared
 
