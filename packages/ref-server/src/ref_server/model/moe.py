@@ -6,6 +6,9 @@ microbatch's dispatch and combine while the other computes; `MoE.forward` runs t
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -276,15 +279,44 @@ class MoE(nn.Module):
         return event
 
     def op_shared_experts(self, state) -> None:
+        """On CUDA without expert parallelism, on a stream of their own, joined in `output`:
+        in a CUDA graph their kernels then run beside the routed experts' (at small batches a
+        chain of short kernels each, more waiting than working). With expert parallelism the
+        schedules already overlap them with the communication."""
         x = state.pop("mlp_in")
-        state.shared_out = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.shared_experts is None:
+            state.shared_out = None
+            return
+        if not x.is_cuda or self.expert_parallel is not None or not SHARED_STREAM:
+            state.shared_out = self.shared_experts(x)
+            return
+        side = side_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            state.shared_out = self.shared_experts(x)
+        state.shared_stream, state.shared_in = side, x  # x lives until the side stream joins
 
     def op_combine_b(self, state) -> None:
         state.routed_out = state.pop("combined")
 
     def op_output(self, state) -> None:
+        if "shared_stream" in state:
+            torch.cuda.current_stream().wait_stream(state.pop("shared_stream"))
+            state.pop("shared_in")
         routed, shared = state.pop("routed_out").to(self.dtype), state.pop("shared_out")
         state.mlp_out = routed if shared is None else routed + shared
+
+
+# WIP A/B switch (remove once measured): REF_SERVER_EXP_SHARED_STREAM=1 puts the shared experts
+# on their own stream.
+SHARED_STREAM = os.environ.get("REF_SERVER_EXP_SHARED_STREAM", "0") == "1"
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The shared experts' stream on a device (one for every layer: each waits for the main
+    stream before it starts, and the main stream for it before the sum)."""
+    return torch.cuda.Stream(device)
 
 
 # The order one batch runs them in.
