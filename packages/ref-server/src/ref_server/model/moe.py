@@ -7,7 +7,6 @@ microbatch's dispatch and combine while the other computes; `MoE.forward` runs t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -287,7 +286,7 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             state.shared_out = None
             return
-        if not x.is_cuda or self.expert_parallel is not None or not SHARED_STREAM:
+        if not x.is_cuda or self.expert_parallel is not None:
             state.shared_out = self.shared_experts(x)
             return
         side = side_stream(x.device)
@@ -305,11 +304,6 @@ class MoE(nn.Module):
             state.pop("shared_in")
         routed, shared = state.pop("routed_out").to(self.dtype), state.pop("shared_out")
         state.mlp_out = routed if shared is None else routed + shared
-
-
-# WIP A/B switch (remove once measured): REF_SERVER_EXP_SHARED_STREAM=1 puts the shared experts
-# on their own stream.
-SHARED_STREAM = os.environ.get("REF_SERVER_EXP_SHARED_STREAM", "0") == "1"
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (Hopper) for the model's Triton kernels: an experiment.
+"""Programmatic dependent launch (Hopper) for the model's Triton kernels.
 
 In a CUDA graph of a small decode step most kernels are short, and the GPU idles a microsecond
 or two between one kernel's end and the next one's start. A kernel launched with programmatic
@@ -8,24 +8,23 @@ be scheduled in turn (`griddepcontrol.launch_dependents`): the launches overlap,
 not. Every kernel that takes `PDL` waits first, so each still sees all the writes of the
 kernels before it (each of which waited for its own predecessor before it ended).
 
-WIP A/B switch (remove once measured): REF_SERVER_EXP_PDL=1 turns it on, on sm90 and later.
+Measured on the H200 (bench_model.py, V2-Lite decode graph replayed, 2026-12-03): alone it moved
+no step by more than 1 %; with the shared experts on their own stream (`MoE.op_shared_experts`)
+the two together took batch 1 from 3.28 to 2.75 ms a step and batch 128 from 10.29 to 9.92.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-
-ENABLED = os.environ.get("REF_SERVER_EXP_PDL", "0") == "1"
 
 
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for the launch of a Triton kernel that takes `PDL: tl.constexpr` and,
-    with it, starts with gdc_wait and gdc_launch_dependents: on where the experiment is on and
-    the device has programmatic dependent launch."""
-    if not ENABLED or device.type != "cuda":
+    with it, starts with gdc_wait and gdc_launch_dependents: on where the device has
+    programmatic dependent launch (sm90 and later)."""
+    if device.type != "cuda":
         return {"PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _has_pdl(index) else {"PDL": False}
