@@ -294,7 +294,7 @@ def run(
             found = profile_step(graph.replay, device, "CUDA-graph replay", decode_trace)
             if found["kernels"]["count"]:
                 profiles["decode"] = found
-        del graphs
+        del graphs, graph  # the graphs' memory pool, before any eager step below
     if profiling and "decode" not in profiles:
         source = "eager"
         if device.type == "cuda":

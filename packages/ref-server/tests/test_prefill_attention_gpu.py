@@ -1,7 +1,8 @@
 """Prefill attention on the GPU (`gpu` marker): all sequences of a step in one of torch's
 variable-length kernels (flash in bf16, memory-efficient in float32) against float64 math over
-the whole ragged batch and against the per-sequence path (the CPU's, run on the GPU), without waiting for the device;
-a V2-Lite-sized layer through `forward_step` as with the per-sequence path."""
+the whole ragged batch and against the per-sequence path (the CPU's, run on the GPU), without
+waiting for the device; a V2-Lite-sized layer through `forward_step` as with the per-sequence
+path."""
 
 from __future__ import annotations
 

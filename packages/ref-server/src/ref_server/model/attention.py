@@ -10,6 +10,7 @@ variable-length kernel on CUDA; decode attends to the latent cache through
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -150,11 +151,12 @@ class Attention(nn.Module):
 
     def _attend_varlen(self, q, k, v, step):
         """All sequences in one kernel (CUDA only): torch's flash attention (FlashAttention 2)
-        in bf16 and fp16, 1.0-1.6x its memory-efficient kernel on the H200
-        (bench_prefill_attention.py); the memory-efficient kernel in float32, which flash does
-        not take. Flash takes one head dim: the values are padded with zero columns to the
-        keys' and the output's extra columns dropped. Both align the causal mask bottom-right."""
-        if q.dtype in (torch.bfloat16, torch.float16):
+        in bf16 and fp16 from sm80, 1.0-1.6x its memory-efficient kernel on the H200
+        (bench_prefill_attention.py); the memory-efficient kernel elsewhere (float32, older
+        GPUs), which flash does not serve. Flash takes one head dim: the values are padded
+        with zero columns to the keys' (a transient copy of V) and the output's extra columns
+        dropped. Both align the causal mask bottom-right."""
+        if _flash_serves(q, v):
             v_wide = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
             out = torch.ops.aten._flash_attention_forward(
                 q, k, v_wide, step.cu_seqlens_q, step.cu_seqlens_k, step.max_query_len,
@@ -271,3 +273,18 @@ class _Dequantized:
     def fits(self, weight: torch.Tensor) -> bool:
         mine = self.weight
         return (mine.shape, mine.dtype, mine.device) == (weight.shape, weight.dtype, weight.device)
+
+
+def _flash_serves(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash attention takes these: bf16 or fp16 on sm80 or later, values no
+    wider than the queries (they are padded up to them)."""
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and v.shape[-1] <= q.shape[-1]
+        and _capability(q.device) >= (8, 0)
+    )
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)

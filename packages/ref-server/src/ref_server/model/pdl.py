@@ -16,6 +16,7 @@ the two together took batch 1 from 3.28 to 2.75 ms a step and batch 128 from 10.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,8 +24,9 @@ import torch
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for the launch of a Triton kernel that takes `PDL: tl.constexpr` and,
     with it, starts with gdc_wait and gdc_launch_dependents: on where the device has
-    programmatic dependent launch (sm90 and later)."""
-    if device.type != "cuda":
+    programmatic dependent launch (NVIDIA sm90 and later; not under Triton's interpreter, which
+    runs no inline PTX)."""
+    if device.type != "cuda" or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
         return {"PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _has_pdl(index) else {"PDL": False}
