@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
-from bench_expert_gemm import ceilings
+from bench_expert_gemm import ceilings, graph_ms
 
 from ref_server.model.fp8_gemm import triton_block_gemm
 
+FLUSH_BYTES = 256 << 20  # written before each timed replay: more than the H200's 50 MB L2
 SHAPES = {  # name: (n, k)
     "v2-lite qkv_a": (3648, 2048),
     "v2-lite o_proj": (2048, 2048),
@@ -42,27 +42,6 @@ SHAPES = {  # name: (n, k)
     "v3 shared gate_up": (4096, 7168),
     "v3 shared down": (7168, 2048),
 }
-
-
-def flushed_graph_ms(fn, reps: int) -> float:
-    """Median ms of a CUDA-graph replay of fn, 256 MiB written before each (the L2 cache holds
-    none of the weight, as in a step where every layer's weights differ)."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()  # compiles the Triton kernel and warms cuBLAS before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def check(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
@@ -96,9 +75,9 @@ def main() -> None:
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=generator)
             check(x, w, name)
-            cublas = flushed_graph_ms(lambda x=x, w=w: x @ w.t(), args.reps)
-            triton = flushed_graph_ms(
-                lambda x=x, w=w: triton_block_gemm(x, None, w, None), args.reps
+            cublas = graph_ms(lambda x=x, w=w: x @ w.t(), args.reps, FLUSH_BYTES)
+            triton = graph_ms(
+                lambda x=x, w=w: triton_block_gemm(x, None, w, None), args.reps, FLUSH_BYTES
             )
             bound = (n * k + m * k + m * n) * 2 / copy * 1e3
             row = {"shape": name, "n": n, "k": k, "m": m, "cublas_ms": cublas, "triton_ms": triton}

@@ -34,7 +34,12 @@ SHAPES = {
 }
 
 
-def graph_ms(fn, reps: int) -> float:
+def graph_ms(fn, reps: int, flush_bytes: int = 0) -> float:
+    """Median ms of a CUDA-graph replay of fn (called once first, outside the capture: Triton
+    compiles, cuBLAS warms up). With flush_bytes, that many bytes are written before each
+    replay, so that the L2 cache holds none of fn's operands (as in a step where every layer's
+    weights differ)."""
+    flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda") if flush_bytes else None
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -42,6 +47,8 @@ def graph_ms(fn, reps: int) -> float:
     graph.replay()
     events = []
     for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
