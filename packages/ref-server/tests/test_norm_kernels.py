@@ -217,6 +217,31 @@ def test_add_rms_norm_on_the_cpu_is_torch_s_add_then_the_norm_bit_for_bit(shape,
     assert torch.equal(normed, torch_formula(x + residual, weight, EPS))
 
 
+def sum_of_three(x, residual, residual2):
+    """x + residual + residual2 in float64, rounded once to x's dtype (in float64 the three
+    sums of values of at most 24 significant bits are exact where they are in fp32: the
+    kernel's fp32 sum is exact only when no bit is lost, so compare with `roundoff`)."""
+    return (x.double() + residual.double() + residual2.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_add_rms_norm_with_two_updates_sums_once_then_norms(dtype):
+    x, weight = problem((9, 512), dtype, seed=1)
+    residual, residual2 = (problem((9, 512), dtype, seed=s)[0] for s in (2, 3))
+    total, normed = add_rms_norm(x, residual, weight, EPS, residual2)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    expected = (x.to(wide) + residual.to(wide) + residual2.to(wide)).to(dtype)
+    assert torch.equal(total, expected)
+    assert torch.equal(normed, torch_formula(expected, weight, EPS))
+    if dtype == torch.bfloat16:  # one rounding, not two: closer to the exact sum than torch's
+        exact = x.double() + residual.double() + residual2.double()
+        error = (total.double() - exact).abs().sum()
+        assert error <= ((x + residual + residual2).double() - exact).abs().sum()
+    torch.library.opcheck(add_rms_norm, (x, residual, weight, EPS, residual2))
+    with pytest.raises(ValueError, match="residual2 must be x's shape and dtype"):
+        add_rms_norm(x, residual, weight, EPS, residual2[:3])
+
+
 def test_add_rms_norm_opcheck_fake_and_bad_arguments():
     x, weight = problem((2, 5, 64), torch.bfloat16)
     residual = problem((2, 5, 64), torch.bfloat16, seed=3)[0]
@@ -267,6 +292,14 @@ def interpreted_checks():
         assert torch.equal(normed, triton_rms_norm(total, weight[:512], EPS))
     x, weight = problem((0, 64), torch.bfloat16)
     assert [t.shape for t in triton_add_rms_norm(x, x, weight, EPS)] == [(0, 64), (0, 64)]
+    for dtype in (torch.float32, torch.float16):  # two updates, one of strided rows
+        x, weight = problem((6, 1000), dtype, seed=6)
+        residual = problem((6, 1000), dtype, seed=7)[0]
+        residual2 = problem((6, 1064), dtype, seed=8)[0][:, :1000]
+        total, normed = triton_add_rms_norm(x, residual, weight, EPS, residual2)
+        expected, _ = add_rms_norm(x, residual, weight, EPS, residual2)  # the reference, on CPU
+        assert torch.equal(total, expected)
+        assert torch.equal(normed, triton_rms_norm(total, weight, EPS))
 
 
 # ---- GPU ----
@@ -297,6 +330,20 @@ def test_add_rms_norm_on_the_gpu_is_torch_s_add_then_the_kernel(dim, rows, x_dty
     assert torch.equal(total, x + residual)
     assert torch.equal(normed, rms_norm(x + residual, weight, EPS))
     check(normed, x + residual, weight)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_rms_norm_with_two_updates_on_the_gpu_is_the_reference_bit_for_bit(dtype):
+    """The three summed in fp32 and rounded once, as the CPU reference does; the normalized
+    rows the norm kernel's of that sum; poisoned outputs are overwritten."""
+    x, weight = problem((300, 2048), dtype, torch.float32, device="cuda", seed=3)
+    residual, residual2 = (problem((300, 2048), dtype, device="cuda", seed=s)[0] for s in (4, 5))
+    total, normed = add_rms_norm(x, residual, weight, EPS, residual2)
+    expected, _ = add_rms_norm(*(t.cpu() for t in (x, residual, weight)), EPS, residual2.cpu())
+    assert torch.equal(total.cpu(), expected)
+    assert torch.equal(normed, rms_norm(total, weight, EPS))
+    assert not torch.equal(total, x + residual + residual2) or dtype == torch.float32
 
 
 @gpu

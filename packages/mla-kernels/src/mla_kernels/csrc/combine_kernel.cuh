@@ -9,6 +9,7 @@
 
 #include "numeric.cuh"
 #include "params.h"
+#include "pdl.cuh"
 
 namespace mla {
 
@@ -28,6 +29,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 template <typename T>
 __global__ void __launch_bounds__(kCombineWarps * 32) mla_combine_kernel(const __grid_constant__ CombineParams p) {
+  wait_for_previous_grid();
+  allow_next_grid();
   const int batch = blockIdx.x, lane = threadIdx.x % 32;
   const int rows = p.s_q * p.h_q;
   const int row = blockIdx.y * kCombineWarps + threadIdx.x / 32;
@@ -71,7 +74,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) mla_combine_kernel(const _
 template <typename T>
 void run_combine(const CombineParams& params, cudaStream_t stream) {
   const dim3 grid(params.batch, (params.s_q * params.h_q + kCombineWarps - 1) / kCombineWarps);
-  mla_combine_kernel<T><<<grid, kCombineWarps * 32, 0, stream>>>(params);
+  launch_with_pdl(mla_combine_kernel<T>, grid, dim3(kCombineWarps * 32), 0, stream, params);
 }
 
 }  // namespace mla

@@ -14,6 +14,7 @@
 #include "consumer.cuh"
 #include "consumer_narrow.cuh"
 #include "decode_common.cuh"
+#include "pdl.cuh"
 #include "producer.cuh"
 
 namespace mla {
@@ -36,6 +37,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  wait_for_previous_grid();  // everything above touches no global memory
+  allow_next_grid();
 
   // Each thread starts with kLaunchRegisters; the consumers can take only what the producer
   // gives back (a larger request would wait forever), and the FP8 producer holds half a tile's
@@ -65,7 +68,7 @@ void run_decode(const DecodeParams& params, cudaStream_t stream) {
   constexpr int bytes = shared_bytes<T>();
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   const dim3 grid((params.rows_per_kv + kBlockM - 1) / kBlockM, params.h_kv, params.num_parts);
-  kernel<<<grid, kThreads, bytes, stream>>>(params);
+  launch_with_pdl(kernel, grid, dim3(kThreads), bytes, stream, params);
 }
 
 }  // namespace mla

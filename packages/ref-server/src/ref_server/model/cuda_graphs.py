@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ref_server.model.cache import PagedKVCache
+from ref_server.model.static_inputs import StaticInputs
 from ref_server.model.step import StepBatch, StepMetadata
 
 
@@ -68,13 +69,13 @@ class DecodeGraphs:
         pad = cache.padding_block
         device = cache.device
         # Every bucket's graph reads prefixes of these; `__call__` fills them.
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), pad * cache.page_size, device=device)
-        self.real_rows = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        self.inputs = StaticInputs(max_batch, device, pad * cache.page_size)
         self.block_table = torch.full(
             (max_batch, self.max_blocks), pad, dtype=torch.int32, device=device
         )
+        # a call's rows of the block table, contiguous, for one asynchronous copy
+        self._host_table = torch.empty(max_batch * self.max_blocks, dtype=torch.int32).pin_memory()
+        self._table_copied = torch.cuda.Event()  # the last copy out of _host_table
         self.two_batch = {
             b: two_batch_from is not None and b >= max(two_batch_from, 2) for b in self.buckets
         }
@@ -108,18 +109,18 @@ class DecodeGraphs:
     def step_inputs(self, bucket: int) -> list:
         """What the bucket's graph reads: `run_step`'s (input_ids, StepMetadata) per microbatch
         over the static inputs (two halves when the bucket runs two microbatches)."""
-        heads = self.model.args.num_attention_heads
+        heads, inputs = self.model.args.num_attention_heads, self.inputs
         half = bucket // 2
         rows = [slice(0, half), slice(half, bucket)] if self.two_batch[bucket] else [slice(bucket)]
         return [
             (
-                self.input_ids[r],
+                inputs.input_ids[r],
                 StepMetadata.decode(
-                    self.positions[r],
-                    self.slot_mapping[r],
+                    inputs.positions[r],
+                    inputs.slot_mapping[r],
                     self.block_table[r],
                     heads,
-                    self.real_rows[r],
+                    inputs.real_rows[r],
                 ),
             )
             for r in rows
@@ -145,27 +146,33 @@ class DecodeGraphs:
         bucket = bucket or self.bucket(b)
         if bucket not in self.graphs or bucket < b:
             raise ValueError(f"bucket {bucket} is not a captured size of at least {b}")
-        pad, page = self.cache.padding_block, self.cache.page_size
-        for static, rows, fill in (
-            (self.input_ids, batch.input_ids, 0),
-            (self.positions, batch.positions, 0),
-            (self.slot_mapping, batch.slot_mapping(page), pad * page),
-            (self.block_table[:, :width], batch.block_table, pad),
-            (self.real_rows, True, False),
-        ):
-            static[b:bucket] = fill
-            static[:b] = rows
-        # Entries past a sequence's blocks are never read: stale ones from earlier calls stay.
+        page = self.cache.page_size
+        self.inputs.fill(b, bucket, batch.input_ids, batch.positions, batch.slot_mapping(page))
+        self._fill_block_table(b, bucket, batch.block_table)
         self.graphs[bucket].replay()
         return self.logits[bucket][:b]
+
+    def _fill_block_table(self, b: int, bucket: int, table: torch.Tensor) -> None:
+        """Rows :b of the static block table from `table` `[b, width]` (CPU or device), rows
+        b:bucket the padding block. Entries past a sequence's blocks are never read: stale ones
+        from earlier calls stay."""
+        width, pad = table.shape[1], self.cache.padding_block
+        static = self.block_table[:bucket, :width]
+        if table.device.type != "cpu":
+            static[b:] = pad
+            static[:b] = table
+            return
+        self._table_copied.synchronize()
+        staged = self._host_table[: bucket * width].view(bucket, width)
+        staged[:b] = table
+        staged[b:] = pad
+        static.copy_(staged, non_blocking=True)
+        self._table_copied.record(torch.cuda.current_stream(static.device))
 
     def idle(self, bucket: int) -> None:
         """Replay `bucket` with padding rows only: an expert-parallel rank without sequences
         while its peers replay that bucket."""
-        pad, page = self.cache.padding_block, self.cache.page_size
-        self.input_ids[:bucket] = 0
-        self.positions[:bucket] = 0
-        self.slot_mapping[:bucket] = pad * page
-        self.block_table[:bucket] = pad
-        self.real_rows[:bucket] = False
+        nothing = torch.zeros(0, dtype=torch.long)
+        self.inputs.fill(0, bucket, nothing, nothing, nothing)
+        self.block_table[:bucket] = self.cache.padding_block
         self.graphs[bucket].replay()

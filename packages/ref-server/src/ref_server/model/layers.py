@@ -25,10 +25,10 @@ class RMSNorm(nn.Module):
         CUDA, the torch ops elsewhere), in the dtype self.weight and x promote to."""
         return rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor):
-        """(x + residual, that sum normalized): x and residual `[..., dim]` of one dtype, in
-        one kernel on CUDA (`ref_server::add_rms_norm`)."""
-        return add_rms_norm(x, residual, self.weight, self.eps)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, residual2=None):
+        """(x + residual [+ residual2], that sum normalized): x and the updates `[..., dim]` of
+        one dtype, in one kernel on CUDA (`ref_server::add_rms_norm`)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, residual2)
 
 
 def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:

@@ -175,7 +175,9 @@ class MoE(nn.Module):
     """Routed experts (this rank's share of them) plus shared experts. With `expert_parallel`,
     tokens travel to the ranks holding their experts through ep_comm and back.
 
-    As operations (state in: mlp_in `[n, hidden]`, normalized; out: mlp_out): gate,
+    As operations (state in: mlp_in `[n, hidden]`, normalized; out: mlp_out, the routed
+    experts' output, and mlp_out_shared, the shared experts', which the next norm adds in its
+    kernel, `Block`): gate,
     select_experts, dispatch_a (sends), dispatch_b (receives), experts, combine_a (sends back),
     shared_experts, combine_b (receives), output. The two sends return ep_comm's event, or in
     the low-latency mode (state key `low_latency`, decode) its receive hook; the executor waits
@@ -209,7 +211,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = State(mlp_in=x.reshape(-1, x.shape[-1]))
         run([self.operation(name) for name in OPERATIONS], state)
-        return state.mlp_out.view(x.shape)
+        shared = state.pop("mlp_out_shared", None)
+        out = state.mlp_out if shared is None else state.mlp_out + shared
+        return out.view(x.shape)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -293,17 +297,20 @@ class MoE(nn.Module):
         side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side):
             state.shared_out = self.shared_experts(x)
-        state.shared_stream, state.shared_in = side, x  # x lives until the side stream joins
+            done = torch.cuda.Event()  # this microbatch's work only, not a later one's
+            done.record(side)
+        state.shared_done, state.shared_in = done, x  # x lives until the side stream joins
 
     def op_combine_b(self, state) -> None:
         state.routed_out = state.pop("combined")
 
     def op_output(self, state) -> None:
-        if "shared_stream" in state:
-            torch.cuda.current_stream().wait_stream(state.pop("shared_stream"))
-            state.pop("shared_in")
-        routed, shared = state.pop("routed_out").to(self.dtype), state.pop("shared_out")
-        state.mlp_out = routed if shared is None else routed + shared
+        if "shared_done" in state:
+            x = state.pop("shared_in")
+            torch.cuda.current_stream(x.device).wait_event(state.pop("shared_done"))
+        state.mlp_out, shared = state.pop("routed_out").to(self.dtype), state.pop("shared_out")
+        if shared is not None:
+            state.mlp_out_shared = shared
 
 
 @functools.cache

@@ -1,5 +1,6 @@
 """RMS norm as one operator, `ref_server::rms_norm`, with a Triton kernel on CUDA; and
-`ref_server::add_rms_norm`, the residual stream's add and the next norm in that kernel.
+`ref_server::add_rms_norm`, the residual stream's add (of one or two updates) and the next norm
+in that kernel.
 
 The math (DeepSeek-V3's): x in fp32, times rsqrt(mean(x^2) + eps) over the last dim, rounded
 to x's dtype, then times the weight in the dtype the two promote to (the product of the two
@@ -11,7 +12,8 @@ mean's sum differs from torch's. Nothing waits for the device and the row count 
 argument of the kernel, so CUDA graphs can capture it (after one warm-up call, which compiles
 it for the row width and dtypes). `add_rms_norm` returns x + residual too (rounded to their
 dtype as torch's add rounds it), and normalizes that rounded sum: the same values as an add
-followed by `rms_norm`, in one pass.
+followed by `rms_norm`, in one pass. With a second update (an MoE layer's shared experts'
+output beside the routed experts'), the three are summed in fp32 and rounded once.
 
 There is no autograd formula: called with tensors that require grad, the operator runs
 forward, and a backward through it raises. triton is imported on the first CUDA call only,
@@ -81,17 +83,31 @@ def _(x, weight, eps):
     return _rms_norm_reference(x, weight, eps)
 
 
+def check_updates(x: torch.Tensor, *updates: torch.Tensor | None) -> None:
+    for name, t in zip(("residual", "residual2"), updates, strict=False):
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(
+                f"{name} must be x's shape and dtype {tuple(x.shape)} {x.dtype}, got "
+                f"{tuple(t.shape)} {t.dtype}"
+            )
+
+
 def _add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, rms_norm of that sum): x and residual `[..., dim]`, one floating-point
-    dtype, the sum rounded to it (as torch adds) before it is normalized; both out contiguous."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual must be x's shape and dtype {tuple(x.shape)} {x.dtype}, got "
-            f"{tuple(residual.shape)} {residual.dtype}"
-        )
-    total = (x + residual).contiguous()
+    """(x + residual [+ residual2], rms_norm of that sum): x and the updates `[..., dim]`, one
+    floating-point dtype, summed in fp32 (or x's wider dtype) in that order and rounded to it
+    once (for two terms, as torch adds) before the sum is normalized; both out contiguous."""
+    check_updates(x, residual, residual2)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    total = x.to(wide) + residual.to(wide)
+    if residual2 is not None:
+        total += residual2.to(wide)
+    total = total.to(x.dtype)
     return total, _rms_norm_reference(total, weight, eps)
 
 
@@ -103,17 +119,17 @@ add_rms_norm = torch.library.custom_op(
 
 
 @add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, residual2=None):
+    check_updates(x, residual, residual2)
     out_dtype = check_inputs(x, weight)
     return x.new_empty(x.shape), x.new_empty(x.shape, dtype=out_dtype)
 
 
 @add_rms_norm.register_kernel("cuda")
-def _(x, residual, weight, eps):
-    same = residual.shape == x.shape and residual.dtype == x.dtype
-    if x.dim() > 0 and same and kernel_takes(x, weight):
-        return triton_add_rms_norm(x, residual, weight, eps)
-    return _add_rms_norm_reference(x, residual, weight, eps)
+def _(x, residual, weight, eps, residual2=None):
+    if x.dim() > 0 and kernel_takes(x, weight):
+        return triton_add_rms_norm(x, residual, weight, eps, residual2)  # which checks them
+    return _add_rms_norm_reference(x, residual, weight, eps, residual2)
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,18 +141,26 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def triton_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm` through the Triton kernel, which adds the rows in fp32, rounds the sum to
     x's dtype (as torch does), writes it and normalizes it: arguments as `triton_rms_norm`'s,
-    residual x's shape and dtype."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError("residual must be x's shape and dtype")
-    return _launch(x, residual, weight, eps)
+    residual (and residual2, if given) x's shape and dtype."""
+    check_updates(x, residual, residual2)
+    return _launch(x, residual, weight, eps, residual2)
 
 
-def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(the sum x + residual, or None without residual; the normalized rows)."""
+def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t `[..., dim]` as rows `[-1, dim]` with contiguous values (a view where it can be)."""
+    return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, dim)
+
+
+def _launch(x, residual, weight, eps, residual2=None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the sum x + residual [+ residual2], or None without residual; the normalized rows)."""
     out_dtype = check_inputs(x, weight)
     for name, t in (("x", x), ("weight", weight)):
         if t.dtype not in KERNEL_DTYPES:
@@ -148,12 +172,8 @@ def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor
     total = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return total, out
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows = x.reshape(-1, dim)  # a view where the leading dims allow
-    if residual is not None:
-        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-        residual = residual.reshape(-1, dim)
+    rows = _rows(x, dim)
+    updates = [_rows(t, dim) if t is not None else rows for t in (residual, residual2)]
     triton, kernel = _triton_kernel()
     block = triton.next_power_of_2(dim)
     # about 8 values (16 bytes of bf16) per thread, in 1 to 16 warps
@@ -162,15 +182,16 @@ def _launch(x, residual, weight, eps) -> tuple[torch.Tensor | None, torch.Tensor
     with device:
         kernel[(rows.shape[0],)](
             rows,
-            rows if residual is None else residual,
+            *updates,
             weight.contiguous(),
             out,
             out if total is None else total,
             dim,
             rows.stride(0),
-            0 if residual is None else residual.stride(0),
+            *(t.stride(0) for t in updates),
             eps,
             ADD=residual is not None,
+            ADD2=residual2 is not None,
             BLOCK=block,
             num_warps=num_warps,
             **launch_options(x.device),
@@ -194,20 +215,23 @@ def _triton_kernel():
 def _rms_norm_kernel(
     x,  # [rows, dim], row r at x + r * x_stride, its values contiguous
     residual,  # with ADD: as x, row r at residual + r * residual_stride
+    residual2,  # with ADD2: as residual
     weight,  # [dim], contiguous
     out,  # [rows, dim], contiguous
     total,  # with ADD: [rows, dim] contiguous, x's dtype
     dim,
     x_stride,
     residual_stride,
+    residual2_stride,
     eps,  # fp32
     ADD: tl.constexpr,  # normalize x + residual (rounded to x's dtype) and write it to total
+    ADD2: tl.constexpr,  # with ADD: x + residual + residual2, summed in fp32, rounded once
     BLOCK: tl.constexpr,  # the power of two at or above dim
     PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """Program r: out[r] = (x[r] * rsqrt(mean(x[r]^2) + eps) in fp32, rounded to x's dtype)
     times weight, computed in fp32 and rounded to out's dtype; with ADD, x[r] is first
-    x[r] + residual[r], rounded to x's dtype and stored in total[r]."""
+    x[r] + residual[r] (+ residual2[r] with ADD2), rounded to x's dtype and stored in total[r]."""
     if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -217,7 +241,11 @@ def _rms_norm_kernel(
     values = tl.load(x + row * x_stride + cols, mask=in_row, other=0.0)
     if ADD:
         added = tl.load(residual + row * residual_stride + cols, mask=in_row, other=0.0)
-        values = (values.to(tl.float32) + added.to(tl.float32)).to(x.dtype.element_ty)
+        values = values.to(tl.float32) + added.to(tl.float32)
+        if ADD2:
+            added = tl.load(residual2 + row * residual2_stride + cols, mask=in_row, other=0.0)
+            values += added.to(tl.float32)
+        values = values.to(x.dtype.element_ty)
         tl.store(total + row * dim + cols, values, mask=in_row)
     values = values.to(tl.float32)
     mean_square = tl.sum(values * values, axis=0) / dim

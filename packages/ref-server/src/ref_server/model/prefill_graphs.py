@@ -28,6 +28,7 @@ import torch
 
 from overlap_sched import State, Yield, run
 from ref_server.model.cache import PagedKVCache
+from ref_server.model.static_inputs import StaticInputs
 from ref_server.model.step import StepBatch, StepMetadata
 
 EAGER_OPS = (".attn.core", "head")  # what depends on the batch's lengths, not its token count
@@ -93,10 +94,7 @@ class PrefillGraphs:
         self.model, self.cache = model, cache
         self.max_tokens = n = self.buckets[-1]
         device, pad = cache.device, cache.padding_block * cache.page_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), pad, dtype=torch.long, device=device)
-        self.real_rows = torch.zeros(n, dtype=torch.bool, device=device)
+        self.inputs = StaticInputs(n, device, pad)
         self.pieces = cut(model.operations(cache, "prefill"))
         self.shared: dict[str, torch.Tensor] = {}  # state key -> [max_tokens, ...] buffer
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -114,8 +112,8 @@ class PrefillGraphs:
         ends = torch.tensor([0, size], dtype=torch.int32, device=device)
         return StepMetadata(
             is_decode=False,
-            positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
+            positions=self.inputs.positions[:size],
+            slot_mapping=self.inputs.slot_mapping[:size],
             block_table=torch.full(
                 (1, 1), self.cache.padding_block, dtype=torch.int32, device=device
             ),
@@ -125,7 +123,7 @@ class PrefillGraphs:
             context_rows=torch.full((size,), pad, dtype=torch.long, device=device),
             cu_seqlens_q=ends,
             cu_seqlens_k=ends,
-            real_rows=self.real_rows[:size],
+            real_rows=self.inputs.real_rows[:size],
         )
 
     def _run_whole(self, size: int) -> None:
@@ -133,7 +131,7 @@ class PrefillGraphs:
         tunes outside the graphs. The first one (the largest) also learns which keys each
         eager piece pops and writes, and makes a shared buffer for each."""
         state = State(num_tokens=size, step=self._capture_step(size))
-        state.input_ids = self.input_ids[:size]
+        state.input_ids = self.inputs.input_ids[:size]
         learn = not self.shared
         for piece in self.pieces:
             seen = _values(state) if learn else {}
@@ -157,7 +155,7 @@ class PrefillGraphs:
 
     def _capture(self, size: int, pool) -> list[torch.cuda.CUDAGraph]:
         state = State(num_tokens=size, step=self._capture_step(size))
-        state.input_ids = self.input_ids[:size]
+        state.input_ids = self.inputs.input_ids[:size]
         graphs = []
         for i, piece in enumerate(self.pieces):
             if piece.eager:
@@ -200,15 +198,7 @@ class PrefillGraphs:
         n = batch.num_tokens
         size = self.bucket(n)
         step = batch.metadata(self.cache, self.model.args.num_attention_heads)
-        pad = self.cache.padding_block * self.cache.page_size
-        for static, rows, fill in (
-            (self.input_ids, batch.input_ids, 0),
-            (self.positions, step.positions, 0),
-            (self.slot_mapping, step.slot_mapping, pad),
-            (self.real_rows, True, False),
-        ):
-            static[n:size] = fill
-            static[:n] = rows
+        self.inputs.fill(n, size, batch.input_ids, step.positions, step.slot_mapping)
         graphs = iter(self.graphs[size])
         for piece in self.pieces:
             if piece.eager:

@@ -77,16 +77,18 @@ class Block(nn.Module):
             for name in names
         ]
 
-    # State: hidden `[n, hidden]` in and out, plus hidden_update after a layer: the hidden
-    # state is their sum, added where the next norm runs, in its kernel; attn_in / attn_out and
-    # mlp_in / mlp_out between this layer's parts; residual across them.
+    # State: hidden `[n, hidden]` in and out, plus hidden_update (and after an MoE layer with
+    # shared experts, hidden_update_shared) after a layer: the hidden state is their sum, added
+    # where the next norm runs, in its kernel; attn_in / attn_out and mlp_in / mlp_out (and
+    # mlp_out_shared) between this layer's parts; residual across them.
 
     def comm_prepare_attn(self, state) -> None:
         x, update = state.pop("hidden"), state.pop("hidden_update", None)
+        shared = state.pop("hidden_update_shared", None)
         if update is None:  # the first layer
             state.residual, state.attn_in = x, self.input_layernorm(x)
         else:
-            state.residual, state.attn_in = self.input_layernorm.add_and_norm(x, update)
+            state.residual, state.attn_in = self.input_layernorm.add_and_norm(x, update, shared)
 
     def comm_prepare_mlp(self, state) -> None:
         x, update = state.pop("residual"), state.pop("attn_out")
@@ -97,6 +99,8 @@ class Block(nn.Module):
 
     def postprocess(self, state) -> None:
         state.hidden, state.hidden_update = state.pop("residual"), state.pop("mlp_out")
+        if "mlp_out_shared" in state:
+            state.hidden_update_shared = state.pop("mlp_out_shared")
 
 
 class Transformer(nn.Module):
@@ -153,12 +157,14 @@ class Transformer(nn.Module):
 
     def head(self, state) -> None:
         x, update, step = state.pop("hidden"), state.pop("hidden_update"), state.step
+        shared = state.pop("hidden_update_shared", None)
         if step is None:
             state.logits = None
             return
         if step.last_rows is not None:
             x, update = x[step.last_rows], update[step.last_rows]
-        state.logits = self.lm_head(self.norm.add_and_norm(x, update)[1]).float()
+            shared = None if shared is None else shared[step.last_rows]
+        state.logits = self.lm_head(self.norm.add_and_norm(x, update, shared)[1]).float()
 
     @torch.no_grad()
     def forward_step(

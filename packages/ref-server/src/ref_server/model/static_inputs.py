@@ -1,0 +1,75 @@
+"""The per-token inputs that a captured step reads, filled for each replay in one copy.
+
+A CUDA graph reads its inputs from fixed addresses, so each replay first writes the step's
+tokens there. Written tensor by tensor from the CPU, that is a handful of copies from pageable
+memory, each of which waits for the device's queue, and fills for the padding rows: about a
+tenth of a batch-1 decode step (bench_model.py). `StaticInputs` keeps input_ids, positions,
+slot_mapping and real_rows as views of one device buffer with a pinned mirror on the host: the
+host writes the step into the mirror and one asynchronous copy moves it.
+
+    inputs = StaticInputs(rows=256, device=cache.device, pad_slot=pad * page)
+    inputs.fill(n, size, batch.input_ids, batch.positions, batch.slot_mapping(page))
+    graph.replay()  # captured over inputs.input_ids[:size], inputs.positions[:size], ...
+"""
+
+from __future__ import annotations
+
+import torch
+
+FIELDS = {
+    "input_ids": torch.long,
+    "positions": torch.long,
+    "slot_mapping": torch.long,
+    "real_rows": torch.bool,
+}
+
+
+class StaticInputs:
+    """input_ids, positions, slot_mapping `[rows]` int64 and real_rows `[rows]` bool on
+    `device` (CUDA; the CPU too, for tests); before the first `fill`, every row is padding: token 0 at position 0 in
+    `pad_slot` (a cache row that only padding writes and reads), not real."""
+
+    def __init__(self, rows: int, device: torch.device, pad_slot: int) -> None:
+        self.rows, self.pad_slot = rows, pad_slot
+        spans, start = {}, 0
+        for name, dtype in FIELDS.items():
+            size = rows * dtype.itemsize
+            spans[name] = (start, size)
+            start += -(-size // 8) * 8  # every view 8-byte aligned, as int64 needs
+        cuda = torch.device(device).type == "cuda"
+        self._device = torch.zeros(start, dtype=torch.uint8, device=device)
+        self._host = torch.zeros(start, dtype=torch.uint8, pin_memory=cuda)
+        self._host_views = {}
+        for name, (begin, size) in spans.items():
+            setattr(self, name, self._device[begin : begin + size].view(FIELDS[name]))
+            self._host_views[name] = self._host[begin : begin + size].view(FIELDS[name])
+        self._host_views["slot_mapping"].fill_(pad_slot)
+        self._device.copy_(self._host)
+        self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the mirror
+
+    def fill(self, n: int, size: int, input_ids, positions, slot_mapping) -> None:
+        """Rows :n from the step (each a `[n]` tensor on the CPU or on the device), rows
+        n:size padding. Ordered on the current stream before what follows (a graph's replay);
+        the host waits only for the previous fill's copy, before it rewrites the mirror."""
+        if not 0 <= n <= size <= self.rows:
+            raise ValueError(f"need 0 <= n ({n}) <= size ({size}) <= {self.rows} rows")
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host_views
+        on_device = []
+        for name, values, padding in (
+            ("input_ids", input_ids, 0),
+            ("positions", positions, 0),
+            ("slot_mapping", slot_mapping, self.pad_slot),
+            ("real_rows", True, False),
+        ):
+            if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+                on_device.append((getattr(self, name), values))
+            else:
+                host[name][:n] = values
+            host[name][n:size] = padding
+        self._device.copy_(self._host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self._device.device))
+        for static, values in on_device:  # after the mirror's copy, which wrote stale rows there
+            static[:n].copy_(values, non_blocking=True)
