@@ -33,9 +33,9 @@ def test_fill_writes_the_step_then_padding_and_leaves_later_rows(rows):
     inputs.fill(rows - 1, rows, ids[: rows - 1], positions[: rows - 1], slots[: rows - 1])
     got = values(inputs, rows + 2)
     head = rows - 1
-    assert got[0] == ids[:head].tolist() + [0] + ids[rows:].tolist()
-    assert got[1] == positions[:head].tolist() + [0] + positions[rows:].tolist()
-    assert got[2] == slots[:head].tolist() + [PAD_SLOT] + slots[rows:].tolist()
+    assert got[0] == [*ids[:head].tolist(), 0, *ids[rows:].tolist()]
+    assert got[1] == [*positions[:head].tolist(), 0, *positions[rows:].tolist()]
+    assert got[2] == [*slots[:head].tolist(), PAD_SLOT, *slots[rows:].tolist()]
     assert got[3] == [True] * head + [False] + [True, True]
 
 

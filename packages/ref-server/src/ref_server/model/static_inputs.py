@@ -26,8 +26,9 @@ FIELDS = {
 
 class StaticInputs:
     """input_ids, positions, slot_mapping `[rows]` int64 and real_rows `[rows]` bool on
-    `device` (CUDA; the CPU too, for tests); before the first `fill`, every row is padding: token 0 at position 0 in
-    `pad_slot` (a cache row that only padding writes and reads), not real."""
+    `device` (CUDA; the CPU too, for tests); before the first `fill`, every row is padding:
+    token 0 at position 0 in `pad_slot` (a cache row that only padding writes and reads), not
+    real."""
 
     def __init__(self, rows: int, device: torch.device, pad_slot: int) -> None:
         self.rows, self.pad_slot = rows, pad_slot
