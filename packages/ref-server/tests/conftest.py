@@ -237,23 +237,135 @@ def tiny_deployment():
 
 
 @pytest.fixture
-def in_triton_interpreter():
+def in_triton_interpreter(tmp_path):
     """Runs a test file as a script (its `__main__` checks) in a child process with Triton's
     interpreter on, which must be so before triton is first imported (torch imports it early);
-    fails with the child's output. Skips without triton."""
+    fails with the child's output. Then compiles every kernel variant the child launched for the
+    H200 (sm_90, with programmatic dependent launch) ahead of time, here: the interpreter
+    accepts code that Triton's compiler rejects (a loop that gives a variable another shape, one
+    such kernel failed on the GPU only). Skips without triton."""
     pytest.importorskip("triton")
 
     def run(path: str) -> None:
+        launches = tmp_path / "launches.jsonl"
+        script = (
+            f"import runpy, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import conftest; conftest.record_triton_launches({str(launches)!r}); "
+            f"runpy.run_path({path!r}, run_name='__main__')"
+        )
         child = subprocess.run(
-            [sys.executable, path],
+            [sys.executable, "-c", script],
             env=os.environ | {"TRITON_INTERPRET": "1"},
             capture_output=True,
             text=True,
             timeout=600,
         )
         assert child.returncode == 0, child.stdout + child.stderr
+        failures = compile_for_sm90(launches.read_text().splitlines() if launches.exists() else [])
+        assert not failures, "\n\n".join(failures)
 
     return run
+
+
+TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
+def _triton_type(value) -> str | None:
+    """A run-time argument's type in Triton's signature notation; None: not a run-time one."""
+    if isinstance(value, torch.Tensor):
+        return "*" + TRITON_TYPES[value.dtype]
+    if type(value).__name__ == "TensorDescriptor":
+        shape = ", ".join(str(size) for size in value.block_shape)
+        return f"tensordesc<{TRITON_TYPES[value.base.dtype]}[{shape}]>"
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def record_triton_launches(path: str) -> None:
+    """In a process under Triton's interpreter: append each kernel launch's function, argument
+    types, constexpr values and launch options to `path` (JSON lines)."""
+    import inspect
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted_run = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        names = list(inspect.signature(self.fn).parameters)
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        options = {key: bound.pop(key) for key in ("num_warps", "num_stages") if key in bound}
+        signature, constexprs = {}, {}
+        for name in names:
+            if name not in bound:
+                continue  # a default
+            annotation = str(inspect.signature(self.fn).parameters[name].annotation)
+            kind = None if "constexpr" in annotation else _triton_type(bound[name])
+            if kind is None:
+                signature[name], constexprs[name] = "constexpr", bound[name]
+            else:
+                signature[name] = kind
+        launch = dict(
+            module=self.fn.__module__,
+            name=self.fn.__name__,
+            signature=signature,
+            constexprs=constexprs,
+            options=options,
+        )
+        with open(path, "a") as f:
+            f.write(json.dumps(launch, default=repr) + "\n")
+        return interpreted_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+_COMPILED_FOR_SM90: set[str] = set()  # launches compiled in this session, across test files
+
+
+def compile_for_sm90(launches: list[str]) -> list[str]:
+    """Compiles each distinct recorded launch (`record_triton_launches`) for sm_90 with
+    programmatic dependent launch on; the compiler's errors, one string per failed launch."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    failures = []
+    for line in dict.fromkeys(launches):
+        if line in _COMPILED_FOR_SM90:
+            continue
+        launch = json.loads(line)
+        constexprs = launch["constexprs"] | ({"PDL": True} if "PDL" in launch["constexprs"] else {})
+        module = importlib.import_module(launch["module"])
+        for make in ("_triton_kernel", "_triton_kernels"):  # jits the kernels' helpers too
+            if hasattr(module, make):
+                getattr(module, make)()
+        kernel = JITFunction(getattr(module, launch["name"]))
+        source = ASTSource(fn=kernel, signature=launch["signature"], constexprs=constexprs)
+        try:
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        except Exception as error:  # the compiler's, whatever their type
+            failures.append(f"{launch['name']} {launch['constexprs']}: {error}")
+        _COMPILED_FOR_SM90.add(line)
+    return failures
 
 
 def _term_rows(data):
