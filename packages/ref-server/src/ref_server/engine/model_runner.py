@@ -108,7 +108,8 @@ class ModelRunner:
         width = max(len(seq.block_table) for seq in step.seqs)
         rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
         table = torch.tensor(rows, dtype=torch.int32)
-        return StepBatch(torch.tensor(ids, device=self.device), list(step.chunks), context, table)
+        # ids stay on the CPU: a graph's inputs take them in its one copy, an eager step in its own
+        return StepBatch(torch.tensor(ids), list(step.chunks), context, table)
 
     @torch.no_grad()
     def run(self, step: Step) -> list[int | None]:

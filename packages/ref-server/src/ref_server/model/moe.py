@@ -316,7 +316,10 @@ class MoE(nn.Module):
 @functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The shared experts' stream on a device (one for every layer: each waits for the main
-    stream before it starts, and the main stream for it before the sum)."""
+    stream before it starts, and the main stream for it in `op_output`). Their output, made on
+    this stream, is read on the main stream by the next norm without `record_stream`: safe
+    because this stream allocates only after waiting for the main stream, which has by then
+    queued that read."""
     return torch.cuda.Stream(device)
 
 

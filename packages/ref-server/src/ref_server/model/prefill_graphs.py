@@ -198,7 +198,8 @@ class PrefillGraphs:
         n = batch.num_tokens
         size = self.bucket(n)
         step = batch.metadata(self.cache, self.model.args.num_attention_heads)
-        self.inputs.fill(n, size, batch.input_ids, step.positions, step.slot_mapping)
+        page = self.cache.page_size  # the CPU's rows: one copy, where the step's are on the GPU
+        self.inputs.fill(n, size, batch.input_ids, batch.positions, batch.slot_mapping(page))
         graphs = iter(self.graphs[size])
         for piece in self.pieces:
             if piece.eager:

@@ -36,7 +36,7 @@ class StaticInputs:
         for name, dtype in FIELDS.items():
             size = rows * dtype.itemsize
             spans[name] = (start, size)
-            start += -(-size // 8) * 8  # every view 8-byte aligned, as int64 needs
+            start += -(-size // 256) * 256  # views aligned as separate allocations were
         cuda = torch.device(device).type == "cuda"
         self._device = torch.zeros(start, dtype=torch.uint8, device=device)
         self._host = torch.zeros(start, dtype=torch.uint8, pin_memory=cuda)

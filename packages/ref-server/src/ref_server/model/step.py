@@ -61,7 +61,7 @@ class StepBatch:
     def positions(self) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's position in its sequence."""
         if self.is_decode:  # one arange a sequence costs a decode step's host dearly
-            return torch.tensor(self.context_lens) - 1
+            return torch.tensor(self.context_lens, dtype=torch.long) - 1
         lens = zip(self.query_lens, self.context_lens, strict=True)
         return torch.cat([torch.arange(context - new, context) for new, context in lens])
 
