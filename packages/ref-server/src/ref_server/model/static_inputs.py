@@ -2,8 +2,9 @@
 
 A CUDA graph reads its inputs from fixed addresses, so each replay first writes the step's
 tokens there. Written tensor by tensor from the CPU, that is a handful of copies from pageable
-memory, each of which waits for the device's queue, and fills for the padding rows: about a
-tenth of a batch-1 decode step (bench_model.py). `StaticInputs` keeps input_ids, positions,
+memory, each of which waits for the device's queue, and fills for the padding rows, all within
+the host's part of a step (about a tenth of a batch-1 decode step in bench_model.py; these
+copies' share of it was not measured apart). `StaticInputs` keeps input_ids, positions,
 slot_mapping and real_rows as views of one device buffer with a pinned mirror on the host: the
 host writes the step into the mirror and one asynchronous copy moves it.
 

@@ -60,7 +60,7 @@ class StepBatch:
     @cached_property
     def positions(self) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's position in its sequence."""
-        if self.is_decode:  # one arange a sequence costs a decode step's host dearly
+        if self.is_decode:  # one tensor op, not an arange a sequence
             return torch.tensor(self.context_lens, dtype=torch.long) - 1
         lens = zip(self.query_lens, self.context_lens, strict=True)
         return torch.cat([torch.arange(context - new, context) for new, context in lens])
