@@ -127,6 +127,11 @@ def interpreted_checks():
         x, None, w, None, torch.tensor([1, 5], dtype=torch.int32), None, x.dtype
     )
     check_grouped(got, x, w, [1, 5], INTERPRETED_SUMS)
+    # a decode step's shape: far more experts than rows, so a tile row for each row, not group
+    x, w = operands((3, 64), (8, 64, 64), torch.float16, seed=4)
+    ends = [0, 1, 1, 1, 2, 2, 3, 3]
+    got = triton_block_gemm(x, None, w, None, torch.tensor(ends, dtype=torch.int32), None, x.dtype)
+    check_grouped(got, x, w, ends, INTERPRETED_SUMS)
 
 
 # ---- the CUDA implementation ----

@@ -1,11 +1,11 @@
 """Multi-head latent attention (MLA), over whole sequences or against the paged latent cache.
 
 A cached step is two operations, so two-batch overlap can run them in different stages:
-`prepare` (projections, rope, the cache write and, for decode, the queries absorbing kv_b's key
-half) and `core` (attention itself, the value half of kv_b and o_proj). Prefill decompresses the
-whole context of every sequence of the step at once and attends densely, all sequences in one
-variable-length kernel on CUDA; decode attends to the latent cache through
-`mla_kernels.flash_mla_with_kvcache`.
+`prepare` (projections, for decode the queries absorbing kv_b's key half, then one kernel that
+writes the cache and rotates the queries) and `core` (attention itself, the value half of kv_b
+and o_proj). Prefill decompresses the whole context of every sequence of the step at once and
+attends densely, all sequences in one variable-length kernel on CUDA; decode attends to the
+latent cache through `mla_kernels.flash_mla_with_kvcache`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ class Attention(nn.Module):
 
     def _project(self, x: torch.Tensor):
         """x `[..., n, hidden]` to the queries `[..., n, heads, qk_head_dim]`, their rope
-        columns not yet rotated (`_rotate_queries`), and kv_a_proj_with_mqa's output
-        `[..., n, kv_lora_rank + rope]`, its latent not yet normalized nor its shared rope key
-        rotated (`_latent`, or `cache_latent` into the cache)."""
+        columns not yet rotated (`_rotate_queries`, or `cache_latent` in a cached step), and
+        kv_a_proj_with_mqa's output `[..., n, kv_lora_rank + rope]`, its latent not yet
+        normalized nor its shared rope key rotated (`_latent`, or `cache_latent` into the
+        cache)."""
         a = self.args
         q, kv_a = self.qkv_a_proj.row_parts.split(self.qkv_a_proj(x))
         q = self.q_b_proj(self.q_a_layernorm(q)) if a.q_lora_rank else q
@@ -63,12 +64,12 @@ class Attention(nn.Module):
         k_rope = rotate(k_rope.unsqueeze(-2), rotation, a.rope_interleave).squeeze(-2)
         return self.kv_a_layernorm(latent), k_rope
 
-    def _rotate_queries(self, q: torch.Tensor, rotation, out: torch.Tensor | None = None) -> None:
-        """q's rope columns rotated into out `[..., n, heads, rope]` (q's dtype), or in place:
-        then q is the query that attends to decompressed keys, with no concatenation."""
+    def _rotate_queries(self, q: torch.Tensor, rotation) -> None:
+        """q's rope columns rotated in place: then q is the query that attends to decompressed
+        keys, with no concatenation."""
         q_rope = q[..., self.args.qk_nope_head_dim :]
         cos, sin = rotation
-        rope_into(q_rope, cos, sin, self.args.rope_interleave, q_rope if out is None else out)
+        rope_into(q_rope, cos, sin, self.args.rope_interleave, q_rope)
 
     def _decompress(self, latent: torch.Tensor, k_rope: torch.Tensor):
         """Per-head keys `[..., t, heads, qk_head_dim]` and values `[..., t, heads, v]`."""
@@ -101,20 +102,27 @@ class Attention(nn.Module):
     # (`StepMetadata`, None on a rank without tokens), rotation. State out: attn_out.
 
     def prepare(self, state, kv: torch.Tensor) -> None:
-        """kv: this layer's cache `[blocks, page, 1, 576]`."""
+        """kv: this layer's cache `[blocks, page, 1, 576]`. One `cache_latent` writes the new
+        tokens' latent rows into it and rotates the queries' rope columns: into the absorbed
+        query's (decode), or in place (prefill: the projection's output is then the query)."""
         x, step = state.pop("attn_in"), state.step
         if step is None:
             state.attn_query = None
             return
+        a, norm = self.args, self.kv_a_layernorm
         q, kv_a = self._project(x)
-        (cos, sin), norm = state.rotation, self.kv_a_layernorm
-        rope_interleave = self.args.rope_interleave
-        cache_latent(kv_a, norm.weight, norm.eps, cos, sin, rope_interleave, kv, step.slot_mapping)
+        q_rope = q[..., a.qk_nope_head_dim :]
         if step.is_decode:
-            state.attn_query = self._absorbed_query(q, state.rotation, kv.dtype)
+            query = self._absorbed_query(q)
+            rope_out = query[..., a.kv_lora_rank :]
         else:
-            self._rotate_queries(q, state.rotation)
-            state.attn_query = q
+            query, rope_out = q, q_rope
+        cos, sin = state.rotation
+        cache_latent(
+            kv_a, norm.weight, norm.eps, cos, sin, a.rope_interleave, kv, step.slot_mapping,
+            q=q_rope, q_out=rope_out,
+        )  # fmt: skip
+        state.attn_query = query.to(kv.dtype).unsqueeze(1) if step.is_decode else query
 
     def core(self, state, kv: torch.Tensor) -> None:
         q, step = state.pop("attn_query"), state.step
@@ -222,18 +230,17 @@ class Attention(nn.Module):
             self._kv_b_dequantized = _Dequantized(refs, stamp, weight)
         return self._kv_b_dequantized.weight
 
-    def _absorbed_query(self, q, rotation, dtype):
+    def _absorbed_query(self, q):
         """One token per sequence: queries absorb kv_b's key half, so they attend to the latent
-        cache (576-wide rows; values are the first 512): `[b, 1, heads, 576]` in dtype. The
-        per-head GEMM and the rope write their columns of one buffer (no concatenation)."""
+        cache (576-wide rows; values are the first 512): `[b, heads, 576]` in q's dtype. The
+        per-head GEMM writes the first 512 columns; the last 64 are left for the rotated rope
+        columns (`cache_latent` writes them: no concatenation)."""
         a = self.args
         w_key, _ = self._kv_b_halves()
         query = q.new_empty(q.shape[0], a.num_attention_heads, a.kv_lora_rank + a.qk_rope_head_dim)
-        q_latent, q_rope = query.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         q_nope = q[..., : a.qk_nope_head_dim]
-        torch.bmm(q_nope.transpose(0, 1), w_key, out=q_latent.transpose(0, 1))
-        self._rotate_queries(q, rotation, q_rope)
-        return query.to(dtype).unsqueeze(1)
+        torch.bmm(q_nope.transpose(0, 1), w_key, out=query[..., : a.kv_lora_rank].transpose(0, 1))
+        return query
 
     def _absorbed_decode(self, q, cache, step):
         """Attention over the latent cache, then values through kv_b's value half."""

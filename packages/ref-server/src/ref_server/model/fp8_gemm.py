@@ -337,16 +337,16 @@ def triton_block_gemm(
         x_scales, w_scales = x.new_empty(0, 0, dtype=torch.float32), x.new_empty(0, 0, 0)
 
     tile_rows = -(-rows // config.block_m)
-    busy_rows = tile_rows  # row tiles that hold rows (at most)
     if layout.kind == "batched":
-        tile_rows = busy_rows = groups * -(-layout.group_rows // config.block_m)
+        tile_rows = groups * -(-layout.group_rows // config.block_m)
     elif layout.kind == "grouped":
-        tile_rows += groups  # each group's last tile may be partial
-        busy_rows += min(groups, rows)
+        # Each group that holds rows may end in a partial tile, and at most `rows` groups hold
+        # any: at a decode step's few rows, a tile row for every group left most programs idle.
+        tile_rows += min(groups, rows)
     tile_cols = -(-n // config.block_n)
     if split_k is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        split_k = pick_split_k(busy_rows * tile_cols, k_blocks, sms)
+        split_k = pick_split_k(tile_rows * tile_cols, k_blocks, sms)
     if k_blocks % split_k:
         raise ValueError(f"split_k must divide the {k_blocks} blocks of k, got {split_k}")
     partial = out if split_k == 1 else x.new_empty(split_k, rows, n, dtype=torch.float32)

@@ -67,38 +67,43 @@ def check_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
             )
 
 
-def check_destination(x: torch.Tensor, out: torch.Tensor) -> None:
-    """ValueError naming what is wrong with `rope_into`'s out for x (see `rope_into`)."""
+def check_destination(x: torch.Tensor, out: torch.Tensor, names=("x", "out")) -> None:
+    """ValueError naming what is wrong with `rope_into`'s out for x (see `rope_into`); names:
+    what the caller's arguments are called, for the message."""
+    x_name, out_name = names
     if tuple(out.shape) != tuple(x.shape):
-        raise ValueError(f"out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+        raise ValueError(
+            f"{out_name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(out.shape)}"
+        )
     if out.dtype != x.dtype:
-        raise ValueError(f"out must be in x's dtype ({x.dtype}), got {out.dtype}")
+        raise ValueError(f"{out_name} must be in {x_name}'s dtype ({x.dtype}), got {out.dtype}")
     if out.device != x.device:
         raise ValueError(
-            f"x and out must be on one device: x is on {x.device}, out on {out.device}"
+            f"{x_name} and {out_name} must be on one device: {x_name} is on {x.device}, "
+            f"{out_name} on {out.device}"
         )
     if out.numel() == 0:
         return
     if out.stride(-1) != 1:
-        raise ValueError(f"out's last dim must be contiguous, got strides {out.stride()}")
+        raise ValueError(f"{out_name}'s last dim must be contiguous, got strides {out.stride()}")
     try:
         _as_rows(out, copy=False)
     except RuntimeError:
         raise ValueError(
-            f"out's dims before [n, heads, rope] must merge into one (as a view), got shape "
-            f"{tuple(out.shape)} and strides {out.stride()}"
+            f"{out_name}'s dims before [n, heads, rope] must merge into one (as a view), got "
+            f"shape {tuple(out.shape)} and strides {out.stride()}"
         ) from None
 
 
-def check_no_overlap(x: torch.Tensor, out: torch.Tensor) -> None:
+def check_no_overlap(x: torch.Tensor, out: torch.Tensor, names=("x", "out")) -> None:
     """ValueError where out's memory overlaps x's other than as x itself (in place, where
     the kernel reads a program's values before it writes any): elsewhere the kernel's threads
-    would write some values before others have read them."""
+    would write some values before others have read them. names as `check_destination`'s."""
     if x.numel() == 0 or out.numel() == 0 or same_view(x, out):
         return
     (x_start, x_end), (out_start, out_end) = _byte_span(x), _byte_span(out)
     if x_start < out_end and out_start < x_end:
-        raise ValueError("out must not overlap x in memory")
+        raise ValueError(f"{names[1]} must not overlap {names[0]} in memory")
 
 
 def same_view(x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -251,17 +256,20 @@ def triton_rope(
 
 
 tl = None  # triton.language, once _triton_kernel() has imported it
+rotate_pairs = None  # the jitted `_rotate_pairs`, once _triton_kernel() has made it
 
 
 @functools.cache
 def _triton_kernel():
-    """(triton, the compiled `_rope_kernel`): triton is imported here, on first use. The token
-    count and the batch strides (which change with it) are not specialized on, so that a new
-    batch size does not compile again."""
-    global tl
+    """(triton, the compiled `_rope_kernel`), and `rotate_pairs` for other kernels that rotate
+    what they read: triton is imported here, on first use. The token count and the batch
+    strides (which change with it) are not specialized on, so that a new batch size does not
+    compile again."""
+    global tl, rotate_pairs
     import triton
     import triton.language as tl
 
+    rotate_pairs = triton.jit(_rotate_pairs)
     unspecialized = ["tokens", "x_batch_stride", "out_batch_stride"]
     return triton, triton.jit(_rope_kernel, do_not_specialize=unspecialized)
 
@@ -309,9 +317,15 @@ def _rope_kernel(
     s = tl.load(sin + token * half + pair, mask=in_pairs).to(tl.float32)
     if IN_PLACE:  # a thread's values are others' to write (the pairs de-interleave)
         tl.debug_barrier()
-    dtype = out.dtype.element_ty
-    rotated_first = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    rotated_second = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    rotated_first, rotated_second = rotate_pairs(x1, x2, c, s, out.dtype.element_ty)
     out_head = out + batch * out_batch_stride + token * out_token_stride + head * out_head_stride
-    tl.store(out_head + pair, rotated_first.to(dtype), mask=inside)
-    tl.store(out_head + half + pair, rotated_second.to(dtype), mask=inside)
+    tl.store(out_head + pair, rotated_first, mask=inside)
+    tl.store(out_head + half + pair, rotated_second, mask=inside)
+
+
+def _rotate_pairs(x1, x2, c, s, dtype: tl.constexpr):
+    """The pairs (x1, x2) of fp32 tiles (values of dtype) rotated by c and s (likewise):
+    (x1 c - x2 s, x2 c + x1 s) in dtype, each product and each sum rounded to it."""
+    first = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    second = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    return first.to(dtype), second.to(dtype)
