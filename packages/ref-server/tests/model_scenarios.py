@@ -161,9 +161,16 @@ def assert_close_logits(got: torch.Tensor, want: torch.Tensor, tol: float) -> No
     """Logits `[b, vocab]` within rtol = atol = tol, and the same greedy tokens but for
     near-ties (within twice that tolerance), which rounding may swap."""
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    best = want.amax(-1)
-    chosen = want.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
-    assert ((best - chosen) <= 2 * tol * (1 + best.abs())).all(), (best - chosen).max()
+    assert_near_greedy(want, got.argmax(-1), tol)
+
+
+def assert_near_greedy(logits: torch.Tensor, tokens: torch.Tensor, tol: float) -> None:
+    """tokens `[b]` are the greedy choices of logits `[b, vocab]` but for near-ties (within
+    2 * tol, relative to the best logit), which rounding may swap."""
+    best = logits.amax(-1)
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    gap = best - chosen
+    assert (gap <= 2 * tol * (1 + best.abs())).all(), f"{gap.max()} below the best logit"
 
 
 def low_latency_decode_matches_the_normal_mode(
@@ -499,8 +506,9 @@ def balanced_experts_serve_as_one_process(
     recount of the gate's choices. A re-placement that moves every slot (a rank's slots further
     on: peers send what a rank lacks) leaves every slot holding its expert's weights and the
     logits as they were. Engines balancing every 2 steps, moving a layer after each (between
-    CUDA graph replays on the GPU), generate the tokens of one process, and count every token
-    they computed but no graph's padding row."""
+    CUDA graph replays on the GPU), generate the tokens of one process (over ranks, its greedy
+    choices but for near-ties), and count every token they computed but no graph's padding
+    row."""
     group = group if world > 1 else None
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     one = M.from_pretrained(path, dtype=dtype, device=device)
@@ -572,7 +580,17 @@ def balanced_experts_serve_as_one_process(
     want_tokens = Engine(one, BALANCING).generate(prompts, params)
     engine = Engine(model, BALANCING, eplb=EplbConfig(interval=2))
     seqs = in_step(engine, group, prompts, params)
-    assert [s.completion for s in seqs] == want_tokens
+    completions = [s.completion for s in seqs]
+    if world == 1:
+        assert completions == want_tokens
+    else:  # rounding by rank swaps near-ties: the H200 chose 276 where one process's logit
+        # for 28 was 0.03 higher (bf16 on the CPU; 276 is 0.04 higher in float32)
+        assert [len(c) for c in completions] == [len(w) for w in want_tokens]
+        for prompt, completion in zip(prompts, completions, strict=True):
+            ids = torch.tensor([prompt + completion[:-1]], device=device)
+            with torch.no_grad():
+                logits = one(ids)[0, len(prompt) - 1 :].float()
+            assert_near_greedy(logits, torch.tensor(completion, device=device), tol)
     balancer = engine.runner.expert_balancer
     assert balancer.rebalances >= 3
     balancer.move()  # what a last window left to move

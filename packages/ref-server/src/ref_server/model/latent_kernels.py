@@ -105,10 +105,11 @@ def _cache_latent_reference(
     `[rms_norm(latent), rope(key)]` in the cache's dtype. Other slots are left alone.
 
     q `[n, heads, 64]` (kv's dtype and device, any strides: the rope columns of the queries)
-    and q_out, both tensors or both None: q rotated by cos and sin into q_out, as `rope_into(q, cos, sin,
-    interleave, q_out)` rotates it. q_out: q's shape and dtype, its last dim contiguous, apart
-    in memory from q or q itself (in place), apart from kv and the cache (which is not
-    checked: without q_lora, q and kv are columns of one projection's rows)."""
+    and q_out, both tensors or both None: q rotated by cos and sin into q_out, as
+    `rope_into(q, cos, sin, interleave, q_out)` rotates it. q_out: q's shape and dtype, its
+    last dim contiguous, apart in memory from q or q itself (in place), apart from kv and the
+    cache (which is not checked: without q_lora, q and kv are columns of one projection's
+    rows)."""
     check_inputs(kv, weight, cos, sin, cache, slot_mapping, q, q_out)
     if q is not None:
         check_no_overlap(q, q_out, QUERY_NAMES)
