@@ -9,7 +9,6 @@ import asyncio
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -370,9 +369,17 @@ def test_a_dead_decode_instance_fails_its_requests_and_the_other_takes_over(refe
     try:
         client = Client(running.address)
         streams = [client.responses([5, 6 + i], max_tokens=450, timeout=120) for i in range(2)]
-        for stream in streams:  # one long request per decode instance (the balancer spreads them)
+        for stream in streams:
             next(stream)
-        time.sleep(0.5)
+
+        def decoding() -> dict[str, int]:
+            workers = client.server_info().workers
+            return {w.name: w.load.running for w in workers if w.role == "decode"}
+
+        serving.wait_until(lambda: sum(decoding().values()) == 2, 30, "both requests decoding")
+        # The balancer spreads the two by the loads it last polled, so usually one each: the
+        # killed instance's requests fail and the other's complete.
+        placed = decoding()
         running.children[running.addresses("decode")[0]].kill()
         outcomes = []
         for stream in streams:
@@ -380,8 +387,11 @@ def test_a_dead_decode_instance_fails_its_requests_and_the_other_takes_over(refe
                 outcomes.append(list(stream)[-1].WhichOneof("payload"))
             except grpc.RpcError as error:
                 outcomes.append(error.code())
-        assert grpc.StatusCode.UNAVAILABLE in outcomes
-        assert "complete" in outcomes  # the other instance's request finished
+        failed = outcomes.count(grpc.StatusCode.UNAVAILABLE)
+        assert (failed, outcomes.count("complete")) == (placed["decode-0"], placed["decode-1"]), (
+            placed,
+            outcomes,
+        )
         want = reference.generate([[7, 8, 9]], M.SamplingParams(max_tokens=6))[0]
         assert client.generate([7, 8, 9], max_tokens=6, timeout=60).token_ids == want
         serving.wait_until(
