@@ -15,7 +15,10 @@ the median of its repetitions (after two untimed calls) with the device synchron
 carry the host's part of a step (its inputs, the metadata). On CUDA also the decode graph's
 replay alone (GPU ms a step: 10 replays back to back between events, the median of `--reps`),
 which moves only with the kernels, for A/B comparisons of kernel changes. The ratios are of
-the graphs' figures where there are graphs.
+the graphs' figures where there are graphs. Then the same decode through an `Engine` as a
+server drives it (its scheduler, its runner's inputs and decode graphs, greedy sampling, the
+tokens back on the host): `batch` requests of `--prompt` random tokens, prefilled, then the
+median over `--steps` decode steps of each step's tokens per second.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
@@ -52,7 +55,9 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ref_server.model as M
+from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model import StepBatch
+from ref_server.model.sampling import SamplingParams
 
 
 def sync(device: torch.device) -> None:
@@ -229,6 +234,33 @@ def print_profile(step: str, batch: int, found: dict, top: int = 20) -> None:
             )
 
 
+def engine_decode_tok_s(model, batch: int, prompt: int, steps: int) -> float:
+    """Tokens per second of an `Engine`'s decode steps (see the module's docstring)."""
+    page = 64
+    longest = prompt + steps + 4
+    config = SchedulerConfig(
+        num_blocks=batch * -(-longest // page),
+        block_size=page,
+        max_num_seqs=batch,
+        max_model_len=longest,
+    )
+    engine = Engine(model, config, prefill_graph_tokens=0)
+    vocab = model.args.vocab_size
+    for _ in range(batch):
+        engine.add(
+            torch.randint(2, vocab, (prompt,)).tolist(), SamplingParams(max_tokens=steps + 4)
+        )
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
+        engine.step()
+    rates = []
+    for _ in range(2 + steps):  # two untimed, as median_seconds
+        start = time.perf_counter()
+        tokens = len(engine.step())  # fewer than batch if a sequence drew its end token
+        rates.append(tokens / (time.perf_counter() - start))
+    return statistics.median(rates[2:])
+
+
 def trace_path(trace: str | None, step: str) -> str | None:
     if trace is None:
         return None
@@ -241,7 +273,7 @@ def run(
 ):  # fmt: skip
     """Seconds of a prefill step (eager, and on CUDA from `PrefillGraphs` up to graph_tokens
     tokens) and of a decode step (eager; on CUDA from CUDA graphs, and the graph's replay alone,
-    `replay_seconds`),
+    `replay_seconds`), an `Engine`'s decode tokens per second (`engine_decode_tok_s`),
     the context after the timed decode steps, with `profiling` each step's `profile_step`
     (trace: `--trace`), and the experts each MoE layer's tokens chose in each kind of step
     (one eager step of the same inputs: prefill; of random tokens like the timed ones: decode)."""
@@ -301,7 +333,8 @@ def run(
             source += ": the profiler saw no kernels in a CUDA-graph replay"
         profiles["decode"] = profile_step(lambda: decode(eager), device, source, decode_trace)
     decode_s = (eager_s, graphs_s, replay_s)
-    return (prefill_s, prefill_graphs_s), decode_s, context, profiles, reached
+    engine_tok_s = engine_decode_tok_s(model, batch, prompt, steps)
+    return (prefill_s, prefill_graphs_s), decode_s, engine_tok_s, context, profiles, reached
 
 
 def main() -> None:
@@ -358,12 +391,13 @@ def main() -> None:
         )
     print(
         "batch | prefill tok/s: graphs | eager | roofline | ratio | decode tok/s: graphs | eager "
-        "| roofline | ratio | GPU ms a step (replay) | experts chosen a layer: prefill / decode"
+        "| roofline | ratio | GPU ms a step (replay) | engine tok/s | ratio "
+        "| experts chosen a layer: prefill / decode"
     )
     rows = []
     profiled = None
     for i, batch in enumerate(map(int, options.batches.split(","))):
-        (prefill_eager_s, prefill_graphs_s), decode_times, context, profiles, reached = run(
+        prefill_times, decode_times, engine_tok_s, context, profiles, reached = run(
             model,
             batch,
             options.prompt,
@@ -376,6 +410,7 @@ def main() -> None:
         )
         if profiles:
             profiled = dict(batch=batch, **profiles)
+        prefill_eager_s, prefill_graphs_s = prefill_times
         eager_s, graphs_s, replay_s = decode_times
         decode_s = graphs_s or eager_s
         prefill_s = prefill_graphs_s or prefill_eager_s
@@ -402,6 +437,7 @@ def main() -> None:
                 decode_eager_tok_s=eager,
                 decode_roofline=decode_bound,
                 decode_replay_ms=replay_s and replay_s * 1e3,
+                decode_engine_tok_s=engine_tok_s,
                 prefill_experts_reached=reached["prefill"],
                 decode_experts_reached=reached["decode"],
             )
@@ -414,7 +450,8 @@ def main() -> None:
             f"{batch:5d} | {prefill_graphs} | {prefill_eager:5.0f} | {prefill_bound:8.0f} | "
             f"{prefill / prefill_bound:5.2f} "
             f"| {graphs} | {eager:5.0f} | {decode_bound:8.0f} | {decode / decode_bound:5.2f} "
-            f"| {replay} | {mean['prefill']:5.1f} / {mean['decode']:5.1f}"
+            f"| {replay} | {engine_tok_s:12.1f} | {engine_tok_s / decode_bound:5.2f} "
+            f"| {mean['prefill']:5.1f} / {mean['decode']:5.1f}"
         )
     if profiled:
         for step in ("prefill", "decode"):

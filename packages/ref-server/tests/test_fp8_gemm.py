@@ -155,7 +155,7 @@ def test_grouped_layout_against_float64(rows, k, n, ends, out_dtype, backend):
 @gpu
 @pytest.mark.parametrize("split_k", [1, 5])
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("config", [fp8_gemm.DECODE, fp8_gemm.PREFILL])
+@pytest.mark.parametrize("config", [fp8_gemm.FEW_ROWS, fp8_gemm.DECODE, fp8_gemm.PREFILL])
 def test_load_paths_configs_and_k_splits_on_the_grouped_layout(config, tma, split_k):
     x, w = operands((700, 640), (3, 320, 640), seed=3, device="cuda")
     offsets = torch.tensor([200, 450, 690], dtype=torch.int32, device="cuda")

@@ -176,6 +176,12 @@ def test_sampling_depends_on_seed_and_position_only():
     assert sample(logits, greedy, positions)[0] == int(logits[0].argmax())
 
 
+def test_a_greedy_batch_is_each_row_s_argmax_whatever_its_cuts():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(9))
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in [(0, 1), (1, 1), (5, 0.1)] * 2]
+    assert sample(logits, params, list(range(6))) == logits.argmax(dim=-1).tolist()
+
+
 def test_prefill_flops_count_what_the_model_computes():
     """Against torch's FLOP counter on a full pass of the tiny model on the CPU: the matmuls
     within 1 % (norm weights are parameters but not matmuls), attention exactly (the CPU's

@@ -40,26 +40,35 @@ __global__ void __launch_bounds__(kCombineWarps * 32) mla_combine_kernel(const _
   if (pieces == 1) return;
 
   const int s = row / p.h_q, h = row % p.h_q;
+  const float* lse_of = p.lse_accum + int64_t(first) * rows + row;  // piece i's at [i * rows]
   float max_lse = -INFINITY;
-  for (int i = lane; i < pieces; i += 32) max_lse = fmaxf(max_lse, p.lse_accum[int64_t(first + i) * rows + row]);
+  for (int i = lane; i < pieces; i += 32) max_lse = fmaxf(max_lse, lse_of[int64_t(i) * rows]);
   max_lse = warp_max(max_lse);
   float sum = 0.f;
   if (max_lse != -INFINITY) {
-    for (int i = lane; i < pieces; i += 32) sum += __expf(p.lse_accum[int64_t(first + i) * rows + row] - max_lse);
+    for (int i = lane; i < pieces; i += 32) sum += __expf(lse_of[int64_t(i) * rows] - max_lse);
     sum = warp_sum(sum);
   }
 
+  // Lane j weighs piece chunk + j; the pieces' loads are independent of one another (their
+  // weights arrive by shuffle), so unrolled they are in flight together, not one at a time.
   float acc[16] = {};
-  for (int i = 0; i < pieces && sum > 0.f; ++i) {
-    const float weight = __expf(p.lse_accum[int64_t(first + i) * rows + row] - max_lse) / sum;
-    const float4* piece = reinterpret_cast<const float4*>(p.out_accum + (int64_t(first + i) * rows + row) * kHeadDimV);
+  const float4* pieces_out = reinterpret_cast<const float4*>(p.out_accum + (int64_t(first) * rows + row) * kHeadDimV);
+  for (int chunk = 0; chunk < pieces && sum > 0.f; chunk += 32) {
+    const int count = min(32, pieces - chunk);
+    const float my_weight = lane < count ? __expf(lse_of[int64_t(chunk + lane) * rows] - max_lse) / sum : 0.f;
+#pragma unroll 4
+    for (int j = 0; j < count; ++j) {
+      const float weight = __shfl_sync(0xffffffff, my_weight, j);
+      const float4* piece = pieces_out + int64_t(chunk + j) * rows * (kHeadDimV / 4);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float4 v = piece[k * 32 + lane];
-      acc[k * 4 + 0] += weight * v.x;
-      acc[k * 4 + 1] += weight * v.y;
-      acc[k * 4 + 2] += weight * v.z;
-      acc[k * 4 + 3] += weight * v.w;
+      for (int k = 0; k < 4; ++k) {
+        const float4 v = piece[k * 32 + lane];
+        acc[k * 4 + 0] += weight * v.x;
+        acc[k * 4 + 1] += weight * v.y;
+        acc[k * 4 + 2] += weight * v.z;
+        acc[k * 4 + 3] += weight * v.w;
+      }
     }
   }
   T* out = static_cast<T*>(p.out) + (int64_t(batch) * rows + row) * kHeadDimV;

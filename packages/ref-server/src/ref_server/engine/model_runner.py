@@ -203,7 +203,8 @@ class ModelRunner:
         ]
         if done:
             seqs = [step.seqs[row] for row in done]
-            tokens = sample(logits[done], [s.params for s in seqs], [len(s) for s in seqs])
+            rows = logits if len(done) == len(logits) else logits[done]  # decode: every row
+            tokens = sample(rows, [s.params for s in seqs], [len(s) for s in seqs])
             for row, token in zip(done, tokens, strict=True):
                 sampled[row] = token
         return sampled

@@ -269,13 +269,19 @@ class KernelConfig:
     num_stages: int
 
 
+FEW_ROWS = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=6)
 DECODE = KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 PREFILL = KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
 
 
-def pick_config(group_rows: int) -> KernelConfig:
-    """DECODE's 64-row tiles for experts (or layers) of at most 128 rows, PREFILL's otherwise.
-    Fixed, not autotuned: a CUDA graph captures after one warm-up call."""
+def pick_config(group_rows: int, scaled: bool) -> KernelConfig:
+    """FEW_ROWS's 16-row tiles for half-precision experts of at most 4 rows on average (V2-Lite's
+    decode at batch 1 and 8 on the H200: 3-15 % faster than DECODE's, and the batch-1 down GEMM
+    no longer splits k; at batch 128, 12 rows, DECODE's kept the step 0.7 % shorter; FP8 not
+    measured), DECODE's 64-row tiles up to 128 rows, PREFILL's otherwise. Fixed, not
+    autotuned: a CUDA graph captures after one warm-up call."""
+    if group_rows <= 4 and not scaled:
+        return FEW_ROWS
     return DECODE if group_rows <= 128 else PREFILL
 
 
@@ -314,13 +320,13 @@ def triton_block_gemm(
     if layout is None:
         layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype)
     rows, n, k, groups = layout.rows, layout.n, layout.k, layout.groups
-    config = config or pick_config(layout.group_rows)
+    scaled = x_scales is not None
+    config = config or pick_config(layout.group_rows, scaled)
     if BLOCK % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK}, got {config.block_n}")
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     if rows == 0 or n == 0 or groups == 0:
         return out.view(layout.out_shape)
-    scaled = x_scales is not None
     if not scaled and x.dtype not in UNSCALED_DTYPES:
         raise ValueError(f"the kernel takes unscaled operands in {UNSCALED_DTYPES}, got {x.dtype}")
     # FP8: one step per scale block; half precision: 64 channels, 128 bytes as FP8's 128

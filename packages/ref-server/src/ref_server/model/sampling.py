@@ -39,26 +39,32 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
     """The token of each row of `logits` `[b, vocab]` float32, row i drawn with params[i] for
     position positions[i] of its sequence (the position the token will take)."""
+    if all(p.temperature == 0 for p in params):  # top-k and top-p always keep the argmax
+        return logits.argmax(dim=-1).tolist()
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = _to(device, [p.temperature for p in params])
     greedy = temperature == 0
     scores = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
     if any(p.top_k or p.top_p < 1 for p in params):
         scores = _keep_top_k_top_p(scores, params)
     drawn = [row for row, p in enumerate(params) if p.temperature > 0]
-    if drawn:
-        rows = torch.tensor(drawn, device=device)
-        keys = [(params[r].seed * 1_000_003 + positions[r]) % 2**63 for r in drawn]
-        scores[rows] += _gumbel(torch.tensor(keys, device=device), scores.shape[1])
+    keys = [(params[r].seed * 1_000_003 + positions[r]) % 2**63 for r in drawn]
+    scores[_to(device, drawn)] += _gumbel(_to(device, keys), scores.shape[1])
     return scores.argmax(dim=-1).tolist()
+
+
+def _to(device: torch.device, values: list) -> torch.Tensor:
+    """values on `device` without waiting for its queue (a blocking copy from the host would
+    wait for the step's kernels before the sampler's own could be queued)."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 def _keep_top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """-inf outside each row's k best tokens, then outside the fewest best tokens whose
     probabilities reach top_p (the best one always stays)."""
     vocab, device = scores.shape[1], scores.device
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = _to(device, [p.top_k or vocab for p in params])
+    top_p = _to(device, [p.top_p for p in params])
     ordered, order = scores.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=device)
     ordered = ordered.masked_fill(rank >= top_k.unsqueeze(-1), float("-inf"))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 import mla_kernels
@@ -56,32 +57,33 @@ class StepBatch:
         """One new token per sequence: attention runs absorbed, through mla_kernels."""
         return all(q == 1 for q in self.query_lens)
 
-    # All on the CPU, from the Python lists: on the GPU they would wait for it.
+    # All on the CPU, from the Python lists, in numpy: on the GPU they would wait for it, and
+    # each torch op on the CPU costs microseconds of dispatch, a decode step's host time.
     @cached_property
     def positions(self) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's position in its sequence."""
-        if self.is_decode:  # one tensor op, not an arange a sequence
-            return torch.tensor(self.context_lens, dtype=torch.long) - 1
-        lens = zip(self.query_lens, self.context_lens, strict=True)
-        return torch.cat([torch.arange(context - new, context) for new, context in lens])
+        context = np.asarray(self.context_lens, dtype=np.int64)
+        if self.is_decode:
+            return torch.from_numpy(context - 1)
+        starts = np.repeat(context - self.query_lens, self.query_lens)
+        return torch.from_numpy(starts + _ranks_within(self.query_lens))
 
     def slot_mapping(self, page_size: int) -> torch.Tensor:
         """`[n]` int64 on the CPU: each new token's cache row, `block * page_size + offset`."""
-        return self._cache_rows(self.query_lens, self.positions, page_size)
+        return self._cache_rows(self.query_lens, self.positions.numpy(), page_size)
 
     def context_rows(self, page_size: int) -> torch.Tensor:
         """`[sum(context_lens)]` int64 on the CPU: the cache rows of every sequence's whole
         context (positions 0 .. context - 1, the new tokens' included), sequence after
         sequence."""
-        positions = torch.cat([torch.arange(context) for context in self.context_lens])
-        return self._cache_rows(self.context_lens, positions, page_size)
+        return self._cache_rows(self.context_lens, _ranks_within(self.context_lens), page_size)
 
-    def _cache_rows(self, lens: list[int], positions: torch.Tensor, page_size: int):
+    def _cache_rows(self, lens: list[int], positions: np.ndarray, page_size: int):
         """The cache rows of `positions` `[sum(lens)]` int64, the first lens[0] of sequence 0,
         the next lens[1] of sequence 1, and so on."""
-        owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        blocks = self.block_table.cpu().long()[owner, positions // page_size]
-        return blocks * page_size + positions % page_size
+        owner = np.repeat(np.arange(len(lens)), lens)
+        blocks = self.block_table.cpu().numpy()[owner, positions // page_size]
+        return torch.from_numpy(blocks.astype(np.int64) * page_size + positions % page_size)
 
     def split(self, split) -> tuple[StepBatch, StepBatch]:
         """Two microbatches of `split` (an `overlap_sched.Split`): A's tokens, then B's. A cut
@@ -134,6 +136,13 @@ class StepBatch:
             context_lens=self.context_lens,
             **_to_device(host, cache.device),
         )
+
+
+def _ranks_within(lens: list[int]) -> np.ndarray:
+    """`[sum(lens)]` int64: 0 .. lens[0] - 1, then 0 .. lens[1] - 1, and so on."""
+    total = sum(lens)
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    return np.arange(total, dtype=np.int64) - starts
 
 
 def _to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
