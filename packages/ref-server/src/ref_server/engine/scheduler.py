@@ -176,7 +176,7 @@ class Scheduler:
     def _decode(self) -> Step | None:
         seqs = []
         for seq in list(self.running):
-            if seq not in self.running:  # preempted for an earlier one
+            if seq.status is not Status.RUNNING:  # preempted for an earlier one
                 continue
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]
@@ -208,6 +208,6 @@ class Scheduler:
             updated.append(seq)
             if token in seq.eos_ids or token in seq.params.stop_token_ids:
                 self.finish(seq, FinishReason.STOP)
-            elif len(seq.completion) >= seq.params.max_tokens:
+            elif seq.num_generated >= seq.params.max_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return updated

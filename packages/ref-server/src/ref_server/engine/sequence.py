@@ -53,6 +53,10 @@ class Sequence:
         return self.tokens[len(self.prompt) :]
 
     @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not in the cache yet: 1 while decoding (the newest token), more
         while (re)filling, e.g. the prompt, or everything after a preemption."""
