@@ -23,7 +23,7 @@ import mla_kernels
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
 from ref_server.model.latent_kernels import cache_latent
-from ref_server.model.layers import FusedLinear, Linear, RMSNorm, rotate
+from ref_server.model.layers import FusedLinear, RMSNorm, rotate
 from ref_server.model.rope_kernels import rope_into
 
 
@@ -38,11 +38,11 @@ class Attention(nn.Module):
         self.qkv_a_proj = FusedLinear(h, {q_name: q_rows, "kv_a_proj_with_mqa": args.cache_width})
         if args.q_lora_rank:
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-            self.q_b_proj = Linear(args.q_lora_rank, heads * args.qk_head_dim)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, heads * args.qk_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         kv_width = args.qk_nope_head_dim + args.v_head_dim
-        self.kv_b_proj = Linear(args.kv_lora_rank, heads * kv_width)
-        self.o_proj = Linear(heads * args.v_head_dim, h)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
+        self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=False)
         self._kv_b_dequantized = None  # an FP8 kv_b's weight, see `_kv_b_weight`
 
     def _project(self, x: torch.Tensor):

@@ -261,15 +261,12 @@ def scaled_mm_block_gemm(x, x_scales, w, w_scales, out_dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelConfig:
     """One launch configuration of the Triton kernel: rows and columns per tile (columns
-    dividing 128, so that a tile has one weight scale per k step), warps, pipeline stages, and
-    channels per k step of half-precision operands (a power of two from 64; FP8 operands take
-    128, one scale block)."""
+    dividing 128, so that a tile has one weight scale per k step), warps, pipeline stages."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    block_k: int = 64
 
 
 FEW_ROWS = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=6)
@@ -311,7 +308,6 @@ def triton_block_gemm(
     config: KernelConfig | None = None,
     tma: bool | None = None,
     split_k: int | None = None,
-    prefetch: bool | None = None,
     layout: Layout | None = None,
 ) -> torch.Tensor:
     """`block_gemm` through the Triton kernel, any layout, on a CUDA device (or on the CPU with
@@ -321,10 +317,6 @@ def triton_block_gemm(
     tiles through TMA descriptors (Hopper's bulk copies), the default where their alignment
     allows, or through masked pointer loads. split_k: how many ranges of k steps are summed by
     separate programs (into fp32 partial sums, then added up), `pick_split_k`'s by default.
-    prefetch: each program asks for its part of w to be fetched into the L2 cache before it
-    waits for the kernel before it (programmatic dependent launch, `pdl.py`), so that the fetch
-    overlaps that kernel; by default in the dense layout (a linear layer's weights do not depend
-    on the kernels before, the experts' choice does) where w fits PREFETCH_MAX_BYTES.
     layout: what `check_inputs` found for these arguments, from a caller that checked them."""
     if layout is None:
         layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype)
@@ -333,14 +325,13 @@ def triton_block_gemm(
     config = config or pick_config(layout.group_rows, scaled)
     if BLOCK % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK}, got {config.block_n}")
-    if config.block_k < 64 or config.block_k & (config.block_k - 1):
-        raise ValueError(f"block_k must be a power of two from 64, got {config.block_k}")
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     if rows == 0 or n == 0 or groups == 0:
         return out.view(layout.out_shape)
     if not scaled and x.dtype not in UNSCALED_DTYPES:
         raise ValueError(f"the kernel takes unscaled operands in {UNSCALED_DTYPES}, got {x.dtype}")
-    block_k = BLOCK if scaled else config.block_k  # FP8: one step per scale block
+    # FP8: one step per scale block; half precision: 64 channels, 128 bytes as FP8's 128
+    block_k = BLOCK if scaled else BLOCK // 2
     k_blocks = -(-k // block_k)
     x = x.reshape(rows, k)
     if x.stride(1) != 1:
@@ -366,10 +357,6 @@ def triton_block_gemm(
     if k_blocks % split_k:
         raise ValueError(f"split_k must divide the {k_blocks} blocks of k, got {split_k}")
     partial = out if split_k == 1 else x.new_empty(split_k, rows, n, dtype=torch.float32)
-    if prefetch is None:
-        prefetch = layout.kind == "dense" and w.numel() * w.element_size() <= PREFETCH_MAX_BYTES
-    options = launch_options(x.device)
-    prefetch = prefetch and options["PDL"]
 
     triton, kernel, sum_splits = _triton_kernels()
     size = x.element_size()
@@ -394,7 +381,6 @@ def triton_block_gemm(
         x_in,
         x_scales,
         w_in,
-        w,
         w_scales,
         partial,
         sizes if sizes is not None else x_scales,
@@ -420,25 +406,20 @@ def triton_block_gemm(
         SPLIT_K=split_k,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        PREFETCH=prefetch,
         num_warps=config.num_warps,
-        **options,
+        **launch_options(x.device),
         num_stages=config.num_stages,
     )
     if split_k > 1:  # added in order in fp32, rounded once into out's dtype
         numel = rows * n
         sum_splits[(triton.cdiv(numel, SUM_BLOCK),)](
-            partial, out, numel, split_k, SUM_BLOCK, **options
+            partial, out, numel, split_k, SUM_BLOCK, **launch_options(x.device)
         )
     return out.view(layout.out_shape)
 
 
 tl = None  # triton.language, once _triton_kernels() has imported it
-prefetch_l2 = None  # `_prefetch_l2` compiled, once _triton_kernels() has run
 SUM_BLOCK = 1024  # outputs per program of `_sum_splits_kernel`
-# Weights prefetched whole before a kernel's wait, at most: half of the H100's and H200's 50 MB
-# L2, so that the lines fetched first are still there when their tiles are read.
-PREFETCH_MAX_BYTES = 24 << 20
 
 
 @functools.cache
@@ -446,11 +427,10 @@ def _triton_kernels():
     """(triton, the compiled `_block_gemm_kernel` and `_sum_splits_kernel`): triton is imported
     here, on first use. Row counts are not specialized on (Triton would compile again for each
     new multiple of 16, say a decode batch size first seen after the warm-up)."""
-    global tl, prefetch_l2
+    global tl
     import triton
     import triton.language as tl
 
-    prefetch_l2 = triton.jit(_prefetch_l2)
     unspecialized = ["rows", "group_rows", "groups", "tile_rows"]
     gemm = triton.jit(_block_gemm_kernel, do_not_specialize=unspecialized)
     return triton, gemm, triton.jit(_sum_splits_kernel, do_not_specialize=["numel"])
@@ -481,7 +461,6 @@ def _block_gemm_kernel(
     x,  # e4m3 (unscaled: bf16, fp16) [rows, k]: pointer, or TMA descriptor of [BLOCK_M, BLOCK_K]
     x_scales,  # fp32 [rows, ceil(k/128)] (SCALED)
     w,  # as x, [groups * n, k]; pointer or TMA descriptor of [BLOCK_N, BLOCK_K] tiles
-    w_base,  # w's pointer (for PREFETCH, w being a descriptor with TMA)
     w_scales,  # fp32 [groups, ceil(n/128), ceil(k/128)] (SCALED)
     out,  # [rows, n], contiguous; with SPLIT_K > 1, fp32 [SPLIT_K, rows, n] partial sums
     sizes,  # int32 [groups]: offsets (grouped) or counts (batched with COUNTS)
@@ -508,9 +487,11 @@ def _block_gemm_kernel(
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing K_BLOCKS / SPLIT_K blocks
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the dense layout's w into L2 before waiting (with PDL)
     PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
+    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     SWIZZLE: tl.constexpr = 8  # row tiles that sweep the columns together (L2 reuse of w)
     K_STEPS: tl.constexpr = K_BLOCKS // SPLIT_K
     tile_cols = tl.cdiv(n, BLOCK_N)
@@ -520,16 +501,6 @@ def _block_gemm_kernel(
     height = tl.minimum(tile_rows - band * SWIZZLE, SWIZZLE)
     tile_m = band * SWIZZLE + (pid % (SWIZZLE * tile_cols)) % height
     tile_n = (pid % (SWIZZLE * tile_cols)) // height
-    if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
-        if PREFETCH:  # this program's columns of w over its k steps, in 128-byte lines
-            LINE: tl.constexpr = 1024 // w_base.dtype.element_ty.primitive_bitwidth
-            cols = tl.minimum(tile_n * BLOCK_N + tl.arange(0, BLOCK_N), n - 1).to(tl.int64)
-            channels = split * K_STEPS * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE
-            for step in range(K_STEPS):
-                within = tl.minimum(channels + step * BLOCK_K, k - 1)
-                prefetch_l2(w_base + cols[:, None] * k + within[None, :])
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
     # This tile's expert and rows [start, end): the end bounds the expert's rows, not the tile.
     if LAYOUT == "dense":
@@ -595,15 +566,3 @@ def _block_gemm_kernel(
 
     out_ptrs = out + (split * rows + row_ids).to(tl.int64)[:, None] * n + col_ids[None, :]
     tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-def _prefetch_l2(pointers):
-    """Ask for the 128-byte lines at pointers (any shape) to be fetched into L2; no wait."""
-    return tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [pointers],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )

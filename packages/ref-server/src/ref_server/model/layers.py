@@ -1,5 +1,5 @@
-"""The small pieces every layer uses: RMS norm, rotary embeddings (YaRN), linear layers (and
-those that share an input as one GEMM), the SwiGLU MLP."""
+"""The small pieces every layer uses: RMS norm, rotary embeddings (YaRN), linear layers that
+share an input as one GEMM, the SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from torch import nn
 
 from ref_server.model.activation_kernels import silu_mul
 from ref_server.model.args import ModelArgs, yarn_mscale
-from ref_server.model.linear import linear
 from ref_server.model.norm_kernels import add_rms_norm, rms_norm
 from ref_server.model.rope_kernels import rope
 
@@ -116,31 +115,20 @@ class RowParts:
             yield name, weight[first : first + rows], scale_rows
 
 
-class Linear(nn.Linear):
-    """A linear layer without bias, through `ref_server::linear` (`linear.py`: on CUDA, few
-    rows go through a Triton kernel that fetches the weight while the kernel before runs)."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
-
-
-class FusedLinear(Linear):
+class FusedLinear(nn.Linear):
     """Linear layers without bias that read one input, as one GEMM: `row_parts` says where
     each (by its checkpoint name) lies in the weight, and splits the output."""
 
     def __init__(self, in_features: int, parts: dict[str, int]) -> None:
         self.row_parts = RowParts(parts)
-        super().__init__(in_features, self.row_parts.rows)
+        super().__init__(in_features, self.row_parts.rows, bias=False)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, {"gate_proj": inter, "up_proj": inter})
-        self.down_proj = Linear(inter, hidden)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.row_parts.split(self.gate_up_proj(x))

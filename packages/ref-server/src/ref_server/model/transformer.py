@@ -22,7 +22,7 @@ from overlap_sched import Op, State, Yield, run, run_overlapped
 from ref_server.model.args import ModelArgs
 from ref_server.model.attention import Attention
 from ref_server.model.cache import PagedKVCache
-from ref_server.model.layers import MLP, Linear, RMSNorm, Rope
+from ref_server.model.layers import MLP, RMSNorm, Rope
 from ref_server.model.moe import MoE
 from ref_server.model.step import StepBatch, StepMetadata
 
@@ -119,7 +119,7 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rope = Rope(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
