@@ -283,10 +283,11 @@ class MoE(nn.Module):
 
     def op_shared_experts(self, state) -> None:
         """On CUDA without expert parallelism, on a stream of their own, joined in `output`.
-        That stream waits for the main one as it is when this op runs, after `experts` queued
-        the routed experts' kernels, so the two sets do not run at the same time (what the
-        stream measured is in pdl.py). With expert parallelism the schedules overlap them with
-        the communication."""
+        That stream waits for the main one as it is when this op runs: in the decode schedule
+        (`transformer.SCHEDULES`, CUDA graphs) before `experts`, so their kernels run beside
+        the routed experts' (at small batches a chain of short kernels each, more waiting than
+        working); in the prefill schedule and `MoE.forward`, after them. With expert
+        parallelism the schedules overlap them with the communication."""
         x = state.pop("mlp_in")
         if self.shared_experts is None:
             state.shared_out = None
