@@ -4,8 +4,16 @@ GPU's measured copy and matmul ceilings, and FlashMLA's own figures on our H200 
     python benchmarks/bench_decode.py [--quick] [--peer] [--json results.json]
 
 With `--peer`, FlashMLA's own kernel (`flashmla_peer`, built by
-../shared/peers/flashmla/build.py, never by this script) runs beside ours on the same inputs
-in the same run, interleaved: the ratio table of issue 17.
+../shared/peers/flashmla/build.py, never by this script) runs beside ours on the same tokens in
+the same run, interleaved, each case timed two ways: one call replayed from a CUDA graph after
+an L2 flush ("flush"), and ten calls back to back in one graph without a flush ("burst"). Its
+tables, ours / FlashMLA speed with the goal each should meet:
+  uniform  b = 128, fixed s_k 4K-32K, s_q 1, h_q 16-128
+  mixed    a long-tailed batch of 128 (half at 512-2K tokens, a few at 32K-64K), and the
+           four prompts of 1.7K-45K tokens at s_q 4, h_q 16 that ThunderMLA reports
+  s_q      2 and 4 query tokens (speculative decoding's verification), causal
+  page     ours at pages of 16, 32, 64 and 128 tokens, FlashMLA at 64 (the only one it takes)
+  fp8      ours on the FP8 cache / ours on its bf16 twin (FlashMLA timed on the twin too)
 
 Also the whole eager call as a user makes it (`get_mla_metadata`, then
 `flash_mla_with_kvcache`, with and without `check_values`) beside the kernel replayed from a
@@ -21,15 +29,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 import mla_kernels
-from mla_kernels.testing import decode_case, varlen_seqlens
+from mla_kernels.testing import decode_case, dequantized, long_tail_seqlens, repage, varlen_seqlens
 
 BATCH = 128
 # FlashMLA built from source on our H200 box (../shared/anchors.md): b = 128, s_q = 1,
@@ -139,70 +149,222 @@ def import_peer():
     return flashmla_peer
 
 
-def peer_row(peer, case, h_q: int) -> dict:
-    """Ours and FlashMLA on one case's first h_q heads: the same result first, then the times
-    (CUDA graphs, interleaved)."""
-    q = case.q[:, :, :h_q].contiguous()
-    s_k = int(case.cache_seqlens[0])
-    args = (case.cache_seqlens, case.block_table, 576**-0.5, False)
-    _, _, peer_metadata, peer_splits = peer.dense_decode_fwd(
-        q, case.k_cache, 512, *args, None, None
-    )
-    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, h_q, 1)
+@dataclass
+class PeerCase:
+    """One comparison of ours against FlashMLA (page 64, bf16 cache) on the same tokens."""
 
-    def ours():
+    table: str  # uniform | mixed | s_q | page | fp8
+    label: str
+    seqlens: list[int]
+    s_q: int
+    h_q: int
+    page_size: int = 64  # ours; FlashMLA always reads the page-64 cache
+    fp8: bool = False  # ours reads the FP8 cache; FlashMLA and "ours_bf16" its dequantized twin
+
+
+# ThunderMLA's post (Hazy Research, 2025-03) reports FlashMLA at 52 us and its own kernel at
+# 41 us on an H100 for four prompts of 1.7K-45K tokens, 4 query tokens, 16 heads.
+THUNDERMLA_LENGTHS = [4641, 45118, 1730, 1696]
+
+# Same-run goals: ours / FlashMLA speed; for the fp8 table ours FP8 / ours bf16, by h_q.
+GOALS = {"uniform": 1.0, "mixed": 1.2, "s_q": 1.0, "page": 1.0}
+UNIFORM_GOAL_128 = 1.15
+FP8_GOALS = {16: 1.6, 128: 1.0}
+
+
+def peer_cases(quick: bool, generator: torch.Generator) -> list[PeerCase]:
+    lengths = [4096, 16384] if quick else [4096, 8192, 16384, 32768]
+    heads = [16, 128] if quick else [16, 32, 64, 128]
+    tail = long_tail_seqlens(BATCH, generator)
+    cases = [
+        PeerCase("uniform", f"s_k {n // 1024}K", [n] * BATCH, 1, h) for n in lengths for h in heads
+    ]
+    cases += [PeerCase("mixed", "long tail", tail, 1, h) for h in heads]
+    cases += [PeerCase("mixed", "long tail", tail, s_q, 16) for s_q in (2, 4)]
+    cases.append(PeerCase("mixed", "ThunderMLA's four", THUNDERMLA_LENGTHS, 4, 16))
+    cases += [PeerCase("s_q", "s_k 8K", [8192] * BATCH, s_q, h) for s_q in (2, 4) for h in heads]
+    cases += [
+        PeerCase("page", f"{name}, page {page}", seqlens, 1, h, page_size=page)
+        for name, seqlens in (("s_k 8K", [8192] * BATCH), ("long tail", tail))
+        for page in (16, 32, 64, 128)
+        for h in (16, 128)
+    ]
+    cases += [
+        PeerCase("fp8", f"s_k {n // 1024}K", [n] * BATCH, 1, h, fp8=True)
+        for n in lengths
+        for h in heads
+    ]
+    return cases
+
+
+def burst_times_ms(fns: list, calls: int = 10, reps: int = 15) -> list[float]:
+    """Median time per call of each of `fns`: `calls` calls back to back in one CUDA graph with
+    no L2 flush between them (as a decode step's attention layers run), interleaved."""
+    graphs = []
+    for fn in fns:
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        graphs.append(graph)
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for graph, spent in zip(graphs, times, strict=True):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            spent.append(start.elapsed_time(end) / calls)
+    return [statistics.median(spent) for spent in times]
+
+
+def build_inputs(case: PeerCase, generator: torch.Generator):
+    """Ours' case, FlashMLA's (page 64, bf16) and, for an FP8 case, our bf16 one: same tokens."""
+    base = decode_case(case.seqlens, case.s_q, case.h_q, is_fp8_kvcache=case.fp8,
+                       device="cuda", generator=generator)  # fmt: skip
+    if case.fp8:
+        twin = dequantized(base)
+        return {"ours": base, "flashmla": twin, "ours_bf16": twin}
+    ours = repage(base, case.page_size, generator) if case.page_size != 64 else base
+    return {"ours": ours, "flashmla": base}
+
+
+def ours_call(case):
+    s_q, h_q = case.q.shape[1:3]
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, s_q * h_q, 1)
+
+    def call():
         return mla_kernels.flash_mla_with_kvcache(
-            q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
-            check_values=False,
+            case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+            causal=s_q > 1, is_fp8_kvcache=case.is_fp8_kvcache, check_values=False,
         )  # fmt: skip
 
-    def theirs():
-        out, lse, _, _ = peer.dense_decode_fwd(
-            q, case.k_cache, 512, *args, peer_metadata, peer_splits
-        )
+    return call
+
+
+def peer_call(peer, case):
+    args = (case.cache_seqlens, case.block_table, 576**-0.5, case.q.shape[1] > 1)
+    _, _, metadata, splits = peer.dense_decode_fwd(case.q, case.k_cache, 512, *args, None, None)
+
+    def call():
+        out, lse, _, _ = peer.dense_decode_fwd(case.q, case.k_cache, 512, *args, metadata, splits)
         return out, lse
 
-    (out, lse), (peer_out, peer_lse) = ours(), theirs()
-    out_diff = (out.float() - peer_out.float()).abs().max().item()
-    lse_diff = (lse - peer_lse.float()).abs().max().item()
-    if not (out_diff < 2e-2 and lse_diff < 1e-3):
-        raise AssertionError(
-            f"h_q {h_q} s_k {s_k}: ours and FlashMLA differ by {out_diff:.2e} (out), "
-            f"{lse_diff:.2e} (lse)"
-        )
-    ms, peer_ms = times_ms([ours, theirs])
-    flops = 2 * h_q * BATCH * s_k * (576 + 512)
-    moved = BATCH * s_k * 1152
-    row = {"h_q": h_q, "s_k": s_k, "ms": ms, "flashmla_ms": peer_ms}
-    row |= {"ours_over_flashmla": peer_ms / ms, "max_abs_diff": [out_diff, lse_diff]}
-    row |= {"TFLOPs": flops / ms / 1e9, "TBps": moved / ms / 1e9}
-    row |= {"flashmla_TFLOPs": flops / peer_ms / 1e9, "flashmla_TBps": moved / peer_ms / 1e9}
-    print(
-        f"peer h_q {h_q:3} s_k {s_k:5} | ours {ms:7.3f} ms {row['TFLOPs']:6.1f} TFLOP/s "
-        f"{row['TBps']:5.2f} TB/s | FlashMLA {peer_ms:7.3f} ms {row['flashmla_TFLOPs']:6.1f} "
-        f"TFLOP/s {row['flashmla_TBps']:5.2f} TB/s | ours / FlashMLA speed "
-        f"{row['ours_over_flashmla']:5.3f}",
-        flush=True,
-    )
+    return call
+
+
+def max_diffs(result, other) -> list[float]:
+    """Largest |difference| of out, and of lse where finite (+inf: no token seen) in both."""
+    (out, lse), (other_out, other_lse) = result, other
+    seen = lse.isfinite()
+    if not torch.equal(seen, other_lse.isfinite()):
+        return [math.inf, math.inf]
+    lse_diff = (lse[seen] - other_lse[seen].float()).abs().max().item() if seen.any() else 0.0
+    return [(out.float() - other_out.float()).abs().max().item(), lse_diff]
+
+
+def peer_row(peer, case: PeerCase, limits: dict[str, float], generator) -> dict:
+    """Ours and FlashMLA (and ours on an FP8 cache's bf16 twin) on one case: the same result
+    first, then both timings, the kernels interleaved."""
+    inputs = build_inputs(case, generator)
+    calls = {name: ours_call(c) for name, c in inputs.items() if name != "flashmla"}
+    calls["flashmla"] = peer_call(peer, inputs["flashmla"])
+    results = {name: call() for name, call in calls.items()}
+    # FP8 against its dequantized twin differs only by the order of roundings.
+    diffs = max_diffs(results["ours"], results["flashmla"])
+    if not (diffs[0] < 2e-2 and diffs[1] < 1e-3):
+        raise AssertionError(f"{case}: ours and FlashMLA differ by {diffs} (out, lse)")
+    total = sum(case.seqlens)
+    flops = 2 * case.s_q * case.h_q * total * (576 + 512)
+    io = len(case.seqlens) * case.s_q * case.h_q * (576 + 512) * 2
+    moved = {name: total * 1152 + io for name in calls}
+    moved["ours"] = total * (656 if case.fp8 else 1152) + io
+    row = {"table": case.table, "label": case.label, "b": len(case.seqlens), "s_q": case.s_q}
+    row |= {"h_q": case.h_q, "page_size": case.page_size, "fp8": case.fp8, "max_diff": diffs}
+    row |= {"sum_seqlen": total, "flops": flops, "bytes": moved}
+    names = list(calls)
+    fns = [calls[name] for name in names]
+    for timing, times in (("flush", times_ms(fns)), ("burst", burst_times_ms(fns))):
+        for name, ms in zip(names, times, strict=True):
+            floor = max(flops / limits["matmul_TFLOPs"], moved[name] / limits["copy_TBps"]) / 1e9
+            row[f"{timing}_{name}_ms"] = ms
+            row[f"{timing}_{name}_roofline_share"] = floor / ms
+        ours_ms = row[f"{timing}_ours_ms"]
+        row[f"{timing}_ours_over_flashmla"] = row[f"{timing}_flashmla_ms"] / ours_ms
+        base = "ours_bf16" if case.fp8 else "flashmla"
+        row[f"{timing}_ratio"] = row[f"{timing}_{base}_ms"] / ours_ms
+    print_peer_row(row)
     return row
 
 
-def peer_rows(peer, quick: bool) -> list[dict]:
-    """Ours beside FlashMLA on the same inputs in this run: b = 128, s_q = 1, page 64, bf16,
-    fixed lengths; the ratio table at the end."""
+def goal(row: dict) -> float | None:
+    if row["fp8"]:
+        return FP8_GOALS.get(row["h_q"])
+    if row["table"] == "uniform" and row["h_q"] == 128:
+        return UNIFORM_GOAL_128
+    return GOALS[row["table"]]
+
+
+def print_peer_row(row: dict) -> None:
+    versus = "ours FP8 / ours bf16" if row["fp8"] else "ours / FlashMLA"
+    parts = [
+        f"{timing}: ours {row[f'{timing}_ours_ms'] * 1e3:8.1f} us "
+        f"({row[f'{timing}_ours_roofline_share']:4.0%} of roofline), FlashMLA "
+        f"{row[f'{timing}_flashmla_ms'] * 1e3:8.1f} us "
+        f"({row[f'{timing}_flashmla_roofline_share']:4.0%}), {versus} {row[f'{timing}_ratio']:5.3f}"
+        for timing in ("flush", "burst")
+    ]
+    print(
+        f"{row['table']:7} {row['label']:22} b {row['b']:3} s_q {row['s_q']} h_q {row['h_q']:3} | "
+        + " | ".join(parts),
+        flush=True,
+    )
+
+
+def print_peer_tables(rows: list[dict]) -> None:
+    """Each table's ratios, a column per head count, cells 'flush / burst', * where the goal
+    is missed under either timing."""
+    for table in ("uniform", "mixed", "s_q", "page", "fp8"):
+        selected = [r for r in rows if r["table"] == table]
+        if not selected:
+            continue
+        heads = sorted({r["h_q"] for r in selected})
+        title = "ours FP8 / ours bf16" if table == "fp8" else "ours / FlashMLA speed"
+        print(
+            f"\n{table}: {title}, same run, flush / burst | "
+            + " | ".join(f"h_q {h}" for h in heads)
+        )
+        by_key = {(r["label"], r["s_q"], r["h_q"]): r for r in selected}
+        for label, s_q in dict.fromkeys((r["label"], r["s_q"]) for r in selected):
+            cells = []
+            for h in heads:
+                r = by_key.get((label, s_q, h))
+                if r is None:
+                    cells.append("-")
+                    continue
+                target = goal(r)
+                missed = target is not None and min(r["flush_ratio"], r["burst_ratio"]) < target
+                cells.append(
+                    f"{r['flush_ratio']:.2f} / {r['burst_ratio']:.2f}{' *' if missed else ''}"
+                )
+            print(f"{label}, s_q {s_q} | " + " | ".join(cells))
+    print(
+        "\ngoals: uniform >= 1.0 (>= 1.15 at h_q 128), mixed >= 1.2, s_q >= 1.0, every page size "
+        "as page 64, fp8 >= 1.6 at h_q 16 and >= 1.0 at h_q 128; * = missed"
+    )
+
+
+def peer_rows(peer, quick: bool, limits: dict[str, float]) -> list[dict]:
+    """Ours beside FlashMLA on the same inputs in this run, every case under both timings."""
     generator = torch.Generator(device="cuda").manual_seed(2)
-    lengths = [4096, 16384] if quick else [4096, 8192, 16384, 32768]
-    heads = [16, 128] if quick else [16, 32, 64, 128]
     rows = []
-    for s_k in lengths:
-        case = decode_case([s_k] * BATCH, 1, 128, device="cuda", generator=generator)
-        rows += [peer_row(peer, case, h_q) for h_q in heads]
-        del case
+    for case in peer_cases(quick, generator):
+        rows.append(peer_row(peer, case, limits, generator))
         torch.cuda.empty_cache()
-    print("ours / FlashMLA speed, same run | " + " | ".join(f"{n // 1024}K" for n in lengths))
-    for h_q in heads:
-        ratios = [f"{r['ours_over_flashmla']:.3f}" for r in rows if r["h_q"] == h_q]
-        print(f"h_q {h_q:3} | " + " | ".join(ratios))
+    print_peer_tables(rows)
     return rows
 
 
@@ -319,7 +481,7 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
         f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
     )
-    peers = peer_rows(peer, args.quick) if peer else []
+    peers = peer_rows(peer, args.quick, limits) if peer else []
     eager = eager_rows(limits)
     rows = sweep(args.quick, limits)
     if args.json:

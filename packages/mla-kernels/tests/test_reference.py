@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mla_kernels
-from mla_kernels.testing import decode_case
+from mla_kernels.testing import decode_case, dequantized, long_tail_seqlens, repage
 
 CASES = [
     # seqlens, s_q, h_q, h_kv, page_size, causal
@@ -96,3 +96,49 @@ def test_tokens_without_a_cache_block_are_not_attended(
     seen = expected_lse.isfinite()
     assert torch.equal(lse.isinf(), ~seen)
     assert (lse[seen].double() - expected_lse[seen]).abs().max() < 1e-4
+
+
+def attend(case, causal=True):
+    s_q, h_q = case.q.shape[1:3]
+    metadata, splits = mla_kernels.get_mla_metadata(case.cache_seqlens, s_q * h_q, 1)
+    return mla_kernels.flash_mla_with_kvcache(
+        case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, metadata, splits,
+        causal=causal, is_fp8_kvcache=case.is_fp8_kvcache,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+def test_repaged_cases_hold_the_same_tokens(is_fp8_kvcache, generator):
+    case = decode_case([70, 1, 200, 129], 2, 4, page_size=64, is_fp8_kvcache=is_fp8_kvcache,
+                       generator=generator)  # fmt: skip
+    out, lse = attend(case)
+    for page_size in (16, 32, 128):
+        moved = repage(case, page_size, generator)
+        assert moved.k_cache.shape[1] == page_size and moved.k_cache.dtype == case.k_cache.dtype
+        assert moved.block_table.shape[1] == -(-200 // page_size)
+        moved_out, moved_lse = attend(moved)
+        # The reference sums over the padded block table, so the order of float32 sums moves.
+        assert relative_error(moved_out, out.double()) < 2e-3
+        seen = lse.isfinite()
+        assert torch.equal(moved_lse.isfinite(), seen) and not seen.all()
+        assert (moved_lse[seen] - lse[seen]).abs().max() < 1e-5
+
+
+def test_the_dequantized_case_is_what_the_fp8_cache_computes(generator, oracle):
+    case = decode_case([90, 300], 1, 8, is_fp8_kvcache=True, generator=generator)
+    twin = dequantized(case)
+    assert twin.k_cache.dtype == case.q.dtype and not twin.is_fp8_kvcache
+    out, lse = attend(case)
+    twin_out, twin_lse = attend(twin)
+    assert torch.equal(out, twin_out) and torch.equal(lse, twin_lse)
+    expected_out, _ = oracle(twin, 576**-0.5, True)
+    assert relative_error(twin_out, expected_out) < 4e-3
+
+
+def test_long_tail_lengths(generator):
+    lengths = long_tail_seqlens(128, generator)
+    assert len(lengths) == 128 and min(lengths) >= 512 and max(lengths) <= 65536
+    assert sum(n <= 2048 for n in lengths) >= 64
+    assert sum(n >= 32768 for n in lengths) == 8
+    assert lengths != sorted(lengths)
+    assert long_tail_seqlens(4, generator) != long_tail_seqlens(4, generator)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_kernels.fp8_layout import FP8_TOKEN_BYTES
+from mla_kernels.fp8_layout import FP8_TOKEN_BYTES, dequantize_fp8
 from mla_kernels.kv_cache import write_kv_cache
 from mla_kernels.reference import HEAD_DIM
 
@@ -57,15 +57,7 @@ def decode_case(
     block_table = order.view(batch, max_blocks).to(torch.int32)
     cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=device)
 
-    in_page = torch.arange(page_size, device=device)
-    slots = torch.cat(
-        [
-            (
-                block_table[i, : math.ceil(n / page_size)].long().view(-1, 1) * page_size + in_page
-            ).view(-1)[:n]
-            for i, n in enumerate(seqlens)
-        ]
-    )
+    slots = _token_slots(block_table, seqlens, page_size)
     tokens = torch.randn(slots.numel(), h_kv, HEAD_DIM, dtype=dtype, **like)
 
     width = FP8_TOKEN_BYTES if is_fp8_kvcache else HEAD_DIM
@@ -76,3 +68,64 @@ def decode_case(
 
     q = torch.randn(batch, s_q, h_q, HEAD_DIM, dtype=dtype, **like)
     return DecodeCase(q, k_cache, block_table, cache_seqlens, is_fp8_kvcache)
+
+
+def long_tail_seqlens(batch: int, generator: torch.Generator | None = None) -> list[int]:
+    """Lengths as a real decode batch has them: half the sequences at 512-2K tokens, 7/16
+    log-uniform over 2K-32K, 1/16 (at least one) at 32K-64K, in a random order."""
+    device = generator.device if generator is not None else "cpu"
+    like = {"generator": generator, "device": device}
+    long = max(1, batch // 16)
+    short = batch // 2
+    middle = batch - short - long
+    lengths = torch.cat(
+        [
+            torch.randint(512, 2049, (short,), **like).double(),
+            torch.exp(
+                torch.empty(middle, dtype=torch.float64, device=device).uniform_(
+                    math.log(2048), math.log(32768), generator=generator
+                )
+            ),
+            torch.randint(32768, 65537, (long,), **like).double(),
+        ]
+    )
+    return [int(n) for n in lengths[torch.randperm(batch, **like)].tolist()]
+
+
+def _token_slots(block_table: torch.Tensor, seqlens: list[int], page_size: int) -> torch.Tensor:
+    """The cache slot (block * page_size + offset) of every token, sequence after sequence."""
+    in_page = torch.arange(page_size, device=block_table.device)
+    return torch.cat(
+        [
+            (
+                block_table[i, : math.ceil(n / page_size)].long().view(-1, 1) * page_size + in_page
+            ).view(-1)[:n]
+            for i, n in enumerate(seqlens)
+        ]
+    )
+
+
+def repage(
+    case: DecodeCase, page_size: int, generator: torch.Generator | None = None
+) -> DecodeCase:
+    """The same tokens (bytes for bytes, FP8 layout included) and queries in a cache of another
+    page size, its pages handed out in a new random order, unused slots NaN."""
+    seqlens = case.cache_seqlens.tolist()
+    old_page, h_kv, width = case.k_cache.shape[1:]
+    rows = case.k_cache.view(-1, h_kv, width)[_token_slots(case.block_table, seqlens, old_page)]
+    max_blocks = max(1, math.ceil(max(seqlens) / page_size))
+    num_blocks = len(seqlens) * max_blocks + 3
+    device = case.k_cache.device
+    order = torch.randperm(num_blocks, generator=generator, device=device)
+    block_table = order[: len(seqlens) * max_blocks].view(-1, max_blocks).to(torch.int32)
+    k_cache = case.k_cache.new_empty(num_blocks, page_size, h_kv, width)
+    k_cache.view(torch.uint8).fill_(NAN_BYTE)
+    k_cache.view(-1, h_kv, width)[_token_slots(block_table, seqlens, page_size)] = rows
+    return DecodeCase(case.q, k_cache, block_table, case.cache_seqlens, case.is_fp8_kvcache)
+
+
+def dequantized(case: DecodeCase) -> DecodeCase:
+    """An FP8 case's cache as the queries' dtype holds it (value * scale rounded to that dtype):
+    the bf16/fp16 cache whose attention the FP8 one computes."""
+    k_cache = dequantize_fp8(case.k_cache).to(case.q.dtype)
+    return DecodeCase(case.q, k_cache, case.block_table, case.cache_seqlens, False)

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark whose code changed since it last ran on a GPU, as stages that
+# each fit one device call (10 minutes). Run on the GPU machine from the repository root, after
+# tools/gpu/prepare.sh here, with `.whl` and `.peer` carried:
+#
+#   BENCH_COMMIT=<commit> bash tools/gpu/pending.sh STAGE [STAGE ...]
+#
+# Each stage's log (and JSON) and summary.txt go to $OUT (the device call's folder; 8 files
+# come back at most) or ./gpu-logs. A stage that
+# fails is reported and the next one still runs; the exit status is the number of failures.
+# When a stage's figures are in docs/benchmarks.md, take it off PENDING below.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+logs=${OUT:-$root/gpu-logs}
+mkdir -p "$logs"
+export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
+export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export MLA_KERNELS_CACHE_DIR=/tmp/mla-kernels EP_COMM_CACHE_DIR=/tmp/ep-comm
+export REF_SERVER_CACHE_DIR=/tmp/ref-server
+sources=$(printf "$root/packages/%s/src:" mla-kernels ep-comm overlap-sched ref-server)
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl || exit 100
+fi
+export PYTHONPATH=${sources}/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+# What each stage checks, and why it is pending.
+declare -A PENDING=(
+  [mla-tests]="mla-kernels GPU tests (test_cuda.py): the kernel on every page size, dtype, FP8 cache"
+  [mla-peer]="bench_decode.py --peer: every table of the 0.2 goals (uniform, mixed lengths, s_q 2-4, page sizes, FP8) under both timings, FlashMLA built beside"
+)
+
+mla-tests() {
+  python3 -m pytest -q -m gpu packages/mla-kernels/tests
+}
+
+mla-peer() {
+  [ -f .peer/build.py ] || { echo "no .peer/build.py: run tools/gpu/prepare.sh with FlashMLA's git dir"; return 1; }
+  local cutlass
+  cutlass=$(python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")/source/include
+  [ -d /tmp/flashmla-peer ] || python3 .peer/build.py .peer/flashmla "$cutlass" /tmp/flashmla-peer || return 1
+  echo "FlashMLA $(cat .peer/flashmla/COMMIT), ours $BENCH_COMMIT"
+  FLASHMLA_PEER_BUILD=/tmp/flashmla-peer python3 packages/mla-kernels/benchmarks/bench_decode.py \
+    --peer --json "$logs/mla-peer.json"
+}
+
+if [ $# -eq 0 ]; then
+  echo "usage: tools/gpu/pending.sh STAGE [STAGE ...]; pending:"
+  for stage in "${!PENDING[@]}"; do echo "  $stage: ${PENDING[$stage]}"; done
+  exit 2
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  echo "commit $BENCH_COMMIT"
+} >> "$logs/summary.txt" 2>&1
+failures=0
+for stage in "$@"; do
+  if [ -z "${PENDING[$stage]+set}" ]; then
+    echo "unknown stage $stage" | tee -a "$logs/summary.txt"
+    failures=$((failures + 1))
+    continue
+  fi
+  start=$SECONDS
+  "$stage" > "$logs/$stage.log" 2>&1
+  status=$?
+  [ $status -eq 0 ] || failures=$((failures + 1))
+  line="$stage: exit $status in $((SECONDS - start)) s; $(tail -n 1 "$logs/$stage.log")"
+  echo "$line" | tee -a "$logs/summary.txt"
+done
+exit $failures
