@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ep_comm.collectives import Collectives
-from ep_comm.low_latency import LowLatencyMode, rdma_size_hint
+from ep_comm.low_latency import LowLatencyMode
+from ep_comm.low_latency_backend import rdma_size_hint
 from ep_comm.streams import CommStream
 from ep_comm.testing import run_ranks
 

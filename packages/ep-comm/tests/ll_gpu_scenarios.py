@@ -16,7 +16,9 @@ import torch
 
 from ep_comm import Buffer
 from ep_comm.collectives import Collectives, EPCommError
-from ep_comm.low_latency import LowLatencyMode, per_token_cast_to_fp8, rdma_size_hint
+from ep_comm.fp8 import per_token_cast_to_fp8
+from ep_comm.low_latency import LowLatencyMode
+from ep_comm.low_latency_backend import rdma_size_hint
 from ep_comm.streams import CommStream
 from ep_comm.testing import random_routing
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ep_comm import Buffer, Config
-from ep_comm.low_latency import LowLatencyHandle, pack_ue8m0, per_token_cast_to_fp8
+from ep_comm.fp8 import pack_ue8m0, per_token_cast_to_fp8
+from ep_comm.low_latency_backend import LowLatencyHandle
 from ep_comm.testing import random_routing
 
 HIDDEN = 512  # UE8M0 packs four 128-channel scales per int32

@@ -7,13 +7,8 @@ import pytest
 import torch
 
 from ep_comm import Buffer
-from ep_comm.low_latency import (
-    LowLatencyHandle,
-    ceil_to_power_of_two,
-    pack_ue8m0,
-    per_token_cast_to_fp8,
-    rdma_size_hint,
-)
+from ep_comm.fp8 import ceil_to_power_of_two, pack_ue8m0, per_token_cast_to_fp8
+from ep_comm.low_latency_backend import LowLatencyHandle, rdma_size_hint
 from ep_comm.testing import run_ranks
 
 SCENARIOS = str(Path(__file__).with_name("ll_scenarios.py"))

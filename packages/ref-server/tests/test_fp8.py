@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ref_server.model as M
-from ep_comm.low_latency import per_token_cast_to_fp8
+from ep_comm.fp8 import per_token_cast_to_fp8
 from ep_comm.testing import run_ranks
 from ref_server.model import ModelArgs
 from ref_server.model.checkpoint import checkpoint_tensors

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from ep_comm.low_latency import per_token_cast_to_fp8
+from ep_comm.fp8 import per_token_cast_to_fp8
 from ref_server.model.fp8_cast import blocks, cast_activations, triton_cast_activations
 
 gpu = pytest.mark.gpu

@@ -5,7 +5,7 @@ from ep_comm.collectives import EPCommError
 from ep_comm.config import Config
 from ep_comm.event import EventOverlap
 from ep_comm.handle import DispatchHandle
-from ep_comm.low_latency import LowLatencyHandle
+from ep_comm.low_latency_backend import LowLatencyHandle
 
 __version__ = "0.2.0"
 

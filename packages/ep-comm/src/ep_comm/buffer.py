@@ -24,7 +24,8 @@ from ep_comm.event import EventOverlap, capture
 from ep_comm.exchange import DispatchInput, Exchange, last_dim
 from ep_comm.handle import DispatchHandle
 from ep_comm.layout import dispatch_layout
-from ep_comm.low_latency import LowLatencyHandle, LowLatencyMode, rdma_size_hint
+from ep_comm.low_latency import LowLatencyMode
+from ep_comm.low_latency_backend import LowLatencyHandle, rdma_size_hint
 from ep_comm.streams import CommStream
 from ep_comm.torch_backend import TorchExchange
 

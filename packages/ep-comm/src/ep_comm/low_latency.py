@@ -3,9 +3,9 @@
 Decode-sized batches of at most T (`num_max_dispatch_tokens_per_rank`) tokens per rank. Every
 (token, k) pair with an expert is one message to the expert's rank, which places it in a
 fixed-shape output `[E_local, R * T, H]`; combine returns each row to its source and sums a
-token's k results there. This module is what both backends share: the argument checks that all
-ranks agree on, the hook and double-buffer protocol, the outputs' allocation, the FP8 cast and
-the buffer size. A backend (`LowLatencyBackend`) moves the data: `torch_low_latency` over
+token's k results there. This module is the mode's side that both backends share: the argument
+checks that all ranks agree on, the hook and double-buffer protocol, the outputs' allocation. A
+backend (`low_latency_backend.LowLatencyBackend`) moves the data: `torch_low_latency` over
 torch.distributed, `cuda_low_latency` over NVSHMEM. See docs/ep-comm.md.
 """
 
@@ -15,197 +15,25 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple, Protocol
 
 import torch
 
 from ep_comm import checks
 from ep_comm import low_latency_checks as llchecks
 from ep_comm.collectives import Collectives
-from ep_comm.config import BUFFER_ALIGNMENT, SCALE_BLOCK
+from ep_comm.config import SCALE_BLOCK
 from ep_comm.event import EventOverlap
 from ep_comm.exchange import last_dim
+from ep_comm.low_latency_backend import (
+    LowLatencyBackend,
+    LowLatencyCombineCall,
+    LowLatencyDispatchCall,
+    LowLatencyHandle,
+    LowLatencyReceive,
+    rdma_size_hint,
+)
 from ep_comm.streams import CommStream
-
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-AMAX_FLOOR = 1e-4
-# The cuda backend's signals per buffer: a 64-bit NVSHMEM signal per expert for the dispatch
-# counts and another for the combine flags (DeepEP: one int per expert, shared).
-SIGNAL_BYTES_PER_EXPERT = 16
-
-
-# The FP8 cast (the cuda kernels compute the same bits) ----------------------------------------
-
-
-def per_token_cast_to_fp8(
-    x: torch.Tensor, round_scale: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 values and their scales, per token and per 128 channels.
-
-    x: `[num_tokens, hidden]` (hidden % 128 == 0), bf16 or fp32.
-    Returns values `[num_tokens, hidden]` float8_e4m3fn and scale_inv `[num_tokens, hidden / 128]`
-    fp32, with x ~= values * scale_inv. In fp32, IEEE-rounded: amax of the group floored at 1e-4,
-    scale_inv = amax / 448 (with round_scale: the next power of two up), values = x * (1 /
-    scale_inv) saturated to +-448, then rounded to e4m3.
-    """
-    num_tokens, hidden = x.shape
-    groups = x.float().reshape(num_tokens, hidden // SCALE_BLOCK, SCALE_BLOCK)
-    amax = groups.abs().amax(dim=2).clamp(min=AMAX_FLOOR)
-    # a tensor divisor: CUDA torch turns division by a Python scalar into a product by 1/448
-    scale_inv = amax / torch.full_like(amax, FP8_MAX)
-    if round_scale:
-        scale_inv = ceil_to_power_of_two(scale_inv)
-    scaled = groups * torch.reciprocal(scale_inv).unsqueeze(2)
-    values = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return values.reshape(num_tokens, hidden), scale_inv
-
-
-def ceil_to_power_of_two(x: torch.Tensor) -> torch.Tensor:
-    """2 ** ceil(log2(x)) of positive normal fp32 x, exactly: carry any mantissa bit into the
-    exponent, then clear the mantissa."""
-    bits = x.view(torch.int32)
-    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
-
-
-def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
-    """Power-of-two fp32 scales `[num_tokens, hidden / 128]` as their exponent bytes, four to an
-    int32: `[num_tokens, hidden / 512]`, byte j of int i (little-endian) from group 4i + j."""
-    exponents = ((scale_inv.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-    return exponents.contiguous().view(torch.int32)
-
-
-# Buffer size ----------------------------------------------------------------------------------
-
-
-def _aligned(n: int, alignment: int = BUFFER_ALIGNMENT) -> int:
-    return -(-n // alignment) * alignment
-
-
-def dispatch_message_bytes(hidden: int) -> int:
-    """A 16-byte header (the source token index), then BF16 values or FP8 values and scales."""
-    return 16 + max(2 * hidden, hidden + 4 * hidden // SCALE_BLOCK)
-
-
-def combine_message_bytes(hidden: int) -> int:
-    """Room for LogFMT's per-128-channel metadata (as DeepEP's layout), then the BF16 row."""
-    return 4 * hidden // SCALE_BLOCK + 2 * hidden
-
-
-def signal_bytes(num_experts: int) -> int:
-    return _aligned(SIGNAL_BYTES_PER_EXPERT * num_experts)
-
-
-def rdma_size_hint(
-    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
-) -> int:
-    """Bytes of `num_rdma_bytes` the cuda backend needs for (T, H, R, E): DeepEP's layout of two
-    buffers, each a signal area, a send area (T dispatch messages or E * T combine messages) and a
-    receive area of E * T slots (`[E_local][R][T]`), rounded up to 128. R does not matter."""
-    del num_ranks  # E * T slots hold [E_local][R][T] whatever R is
-    tokens = num_max_dispatch_tokens_per_rank
-    dispatch, combine = dispatch_message_bytes(hidden), combine_message_bytes(hidden)
-    send = max(tokens * dispatch, num_experts * tokens * combine)
-    receive = num_experts * tokens * max(dispatch, combine)
-    return _aligned(2 * (signal_bytes(num_experts) + send + receive))
-
-
-# The backend contract -------------------------------------------------------------------------
-
-
-class LowLatencyHandle(NamedTuple):
-    """What low_latency_combine needs from its dispatch: DeepEP's 5-tuple."""
-
-    # [E_local, R * T] int32: each received row's token index on its source rank
-    src_info: torch.Tensor
-    # [E_local, R] int64: (begin << 32) | count; rows [begin, begin + count) of local expert e
-    # came from rank r
-    layout_range: torch.Tensor
-    num_max_dispatch_tokens_per_rank: int
-    hidden: int
-    num_experts: int
-
-
-@dataclass
-class LowLatencyReceive:
-    """A dispatch's outputs: allocated before the send, filled by the receive."""
-
-    x: torch.Tensor  # [E_local, R * T, H] float8_e4m3fn (FP8) or bf16
-    # FP8: fp32 [E_local, R * T, H / 128]; UE8M0: int32 [E_local, R * T, H / 512] (pack_ue8m0);
-    # token stride 1 (the transpose of a contiguous [E_local, groups, R * T]); BF16: None
-    scales: torch.Tensor | None
-    count: torch.Tensor  # [E_local] int32, zeroed before the send
-    src_info: torch.Tensor  # [E_local, R * T] int32
-    layout_range: torch.Tensor  # [E_local, R] int64
-
-
-@dataclass(frozen=True)
-class LowLatencyDispatchCall:
-    """One low_latency_dispatch's arguments, built once and handed to the checks and the
-    backend (the shapes are those of `Buffer.low_latency_dispatch`)."""
-
-    x: torch.Tensor  # [num_tokens, H] bf16
-    topk_idx: torch.Tensor  # [num_tokens, k] int64, global expert ids or -1
-    num_max_dispatch_tokens_per_rank: int  # T
-    num_experts: int
-    cumulative_local_expert_recv_stats: torch.Tensor | None  # [E_local] int32, added to
-    dispatch_wait_recv_cost_stats: torch.Tensor | None  # [R] int64 ns, added to
-    use_fp8: bool
-    round_scale: bool
-    use_ue8m0: bool
-
-    @property
-    def stats(self) -> tuple:
-        return self.cumulative_local_expert_recv_stats, self.dispatch_wait_recv_cost_stats
-
-
-@dataclass(frozen=True)
-class LowLatencyCombineCall:
-    """One low_latency_combine's arguments (shapes as in `Buffer.low_latency_combine`)."""
-
-    x: torch.Tensor  # [E_local, R * T, H] bf16 (ignored with zero_copy)
-    topk_idx: torch.Tensor  # [num_tokens, k] int64, as dispatched
-    topk_weights: torch.Tensor  # [num_tokens, k] fp32
-    handle: LowLatencyHandle
-    zero_copy: bool
-    combine_wait_recv_cost_stats: torch.Tensor | None  # [R] int64 ns, added to
-
-
-class LowLatencyBackend(Protocol):
-    """Moves the data. `slot` (0 or 1) is the double buffer a call uses: it flips at every LL
-    call, on every rank alike."""
-
-    # int32 [1] on the buffer's device: nonzero once an LL call of this buffer failed (until clean)
-    error_flag: torch.Tensor
-
-    def dispatch_send(
-        self, slot: int, call: LowLatencyDispatchCall, out: LowLatencyReceive
-    ) -> Callable[[], None]:
-        """Enqueue the send on the current stream; the returned `receive` enqueues the receive
-        on the stream current when it is called and fills `out` (and adds to the stats)."""
-        ...
-
-    def combine_send(
-        self, slot: int, call: LowLatencyCombineCall, out: torch.Tensor
-    ) -> Callable[[], None]:
-        """call.x (with zero_copy: `combine_buffer(slot, handle)` instead); `receive` fills out
-        `[num_tokens, H]` bf16 with sum_k w[t, k] * row(topk_idx[t, k], t), each product
-        rounded to fp32 and added in k order (no fused multiply-add), skipping -1, rounded to
-        bf16 once."""
-        ...
-
-    def combine_buffer(self, slot: int, handle: LowLatencyHandle) -> torch.Tensor:
-        """A BF16 `[E_local, R * T, H]` view that a zero-copy combine on `slot` reads."""
-        ...
-
-    def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Collective: reset the signals of both buffers and error_flag."""
-        ...
-
-    def failure(self) -> str | None:
-        """An earlier call's failure (rank, step, peer), read on the host; None if none."""
-        ...
-
-    def destroy(self) -> None: ...
+from ep_comm.torch_low_latency import TorchLowLatency
 
 
 def low_latency_backend(
@@ -213,8 +41,6 @@ def low_latency_backend(
 ) -> LowLatencyBackend:
     """The LL backend called `name` ("torch" or "cuda"); collective, as Buffer() is."""
     if name == "torch":
-        from ep_comm.torch_low_latency import TorchLowLatency
-
         return TorchLowLatency(comm)
     if name == "cuda":
         try:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ep_comm.config import SCALE_BLOCK
-from ep_comm.low_latency import per_token_cast_to_fp8 as per_token_cast_to_fp8  # re-exported
+from ep_comm.fp8 import per_token_cast_to_fp8 as per_token_cast_to_fp8  # re-exported
 
 
 def random_routing(

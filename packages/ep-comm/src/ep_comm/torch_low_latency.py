@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ep_comm.collectives import Collectives
-from ep_comm.low_latency import (
+from ep_comm.fp8 import pack_ue8m0, per_token_cast_to_fp8
+from ep_comm.low_latency_backend import (
     LowLatencyCombineCall,
     LowLatencyDispatchCall,
     LowLatencyHandle,
     LowLatencyReceive,
-    pack_ue8m0,
-    per_token_cast_to_fp8,
 )
 
 

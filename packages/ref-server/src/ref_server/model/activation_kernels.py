@@ -32,7 +32,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
+from ep_comm.fp8 import AMAX_FLOOR, FP8_MAX
 from ref_server.model import fp8_cast
 from ref_server.model.fp8_cast import BLOCK_ROWS, NUM_WARPS, blocks, cast_activations
 from ref_server.model.pdl import launch_options

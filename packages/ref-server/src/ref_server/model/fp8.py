@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX
+from ep_comm.fp8 import AMAX_FLOOR, FP8_MAX
 from ref_server.model.activation_kernels import silu_mul_fp8
 from ref_server.model.fp8_cast import cast_activations
 from ref_server.model.fp8_gemm import block_gemm

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ep_comm.low_latency import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
+from ep_comm.fp8 import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
 from ref_server.model.pdl import launch_options
 
 BLOCK = 128  # channels per scale
