@@ -16,8 +16,7 @@ processes time-slicing one GPU are not GPUs on NVLink, and with W = 1 there is n
 
 The V3 layer: hidden 7168, MLA with 128 heads, 256 routed experts top-8 plus one shared expert
 (one MoE layer; vocabulary cut to 4096, the head is not what is measured). Trace JSON and
-timeline PNGs of one prefill and one decode layer go to --out. It runs ref-server's model, so
-it needs ref-server and ep-comm installed beside overlap-sched (figures: docs/benchmarks.md).
+timeline PNGs of one prefill and one decode layer go to --out (figures: docs/benchmarks.md).
 """
 
 from __future__ import annotations
