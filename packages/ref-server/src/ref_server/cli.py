@@ -486,7 +486,9 @@ def _serve(args: argparse.Namespace) -> int:
         stop = stop_on_signals()
         http = f", HTTP on {config.host}:{config.http_port}" if config.http_port else ""
         print(f"ref-server: serving on {config.host}:{config.port}{http}", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):
+            if running.failure:
+                raise RuntimeError(running.failure)
     finally:
         running.stop()
     return 0

@@ -34,16 +34,31 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ref_server.services.config import ServeConfig
 from ref_server.services.security import SECRET_ENV, new_secret, read_secret
-from ref_server.services.servers import SUPERVISOR_ENV
+from ref_server.services.servers import SUPERVISOR_ENV, supervised_service
 
 log = logging.getLogger(__name__)
-RESTART_DELAYS_S = (1, 2, 5, 10, 30)  # after the first, second, ... death in a row
+# After the first, second, ... death in a row; one more without a healthy start between, and
+# the deployment gives up.
+RESTART_DELAYS_S = (1, 2, 5, 10)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_free(host: str, port: int, what: str) -> None:
+    """OSError naming the port if something listens on it already (a second deployment would
+    otherwise find the first one answering its readiness checks)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as error:
+            raise OSError(
+                f"{what} {host}:{port} is in use ({error.strerror}): another ref-server? "
+                "Stop it or choose other ports"
+            ) from None
 
 
 def torchrun_values(environ: dict[str, str], port: int) -> dict:
@@ -91,9 +106,10 @@ def wait_serving(
     timeout: float,
     process: subprocess.Popen | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    service: str = "",
 ) -> None:
-    """Until the health service at `address` says SERVING; RuntimeError after `timeout` or if
-    `process` exits first."""
+    """Until the health service at `address` says `service` is SERVING; RuntimeError after
+    `timeout` or if `process` exits first."""
     deadline = time.monotonic() + timeout
     if credentials is None:
         channel = grpc.insecure_channel(address)
@@ -105,8 +121,8 @@ def wait_serving(
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"the process for {address} exited with {process.returncode}")
             try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
+                request = health_pb2.HealthCheckRequest(service=service)
+                if stub.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
@@ -145,6 +161,10 @@ class Unit:
 class Deployment:
     def __init__(self, config: ServeConfig, startup_timeout: float = 600.0) -> None:
         self.config = config
+        check_free(config.host, config.port, "the gRPC port")
+        if config.http_port:
+            check_free(config.host, config.http_port, "the HTTP port")
+        self.failure: str | None = None  # why the supervisor gave up; the deployment is stopped
         secret = read_secret(config.internal_secret_file) or new_secret()
         self.env = {**os.environ, SECRET_ENV: secret, SUPERVISOR_ENV: str(os.getpid())}
         self.startup_timeout = startup_timeout
@@ -206,8 +226,9 @@ class Deployment:
         if unit is self.router and self.config.tls_cert:  # the chain up to its root, or self-signed
             roots = Path(self.config.tls_cert).read_bytes()
             credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+        service = supervised_service(os.getpid())  # not another deployment on these ports
         for address, process in unit.processes.items():
-            wait_serving(address, self.startup_timeout, process, credentials)
+            wait_serving(address, self.startup_timeout, process, credentials, service)
 
     def _supervise(self) -> None:
         while not self.stopping.wait(0.5):
@@ -219,11 +240,19 @@ class Deployment:
         if unit.restart_at is None:
             if not unit.dead():
                 return
-            delay = RESTART_DELAYS_S[min(unit.deaths, len(RESTART_DELAYS_S) - 1)]
             codes = {a: p.poll() for a, p in unit.processes.items()}
-            log.warning("%s %s died (%s); restarting in %d s", unit.role, list(codes), codes, delay)
             unit.kill()  # the other ranks of a broken instance cannot go on alone
             unit.deaths += 1
+            if unit.deaths > len(RESTART_DELAYS_S):
+                self.failure = (
+                    f"the {unit.role} at {', '.join(codes)} died {unit.deaths} times in a row "
+                    f"without serving (exit codes {list(codes.values())}); see its log above"
+                )
+                log.error("%s: stopping", self.failure)
+                self.stopping.set()
+                return
+            delay = RESTART_DELAYS_S[unit.deaths - 1]
+            log.warning("%s %s died (%s); restarting in %d s", unit.role, list(codes), codes, delay)
             unit.restart_at = now + delay
         elif now >= unit.restart_at and not self.stopping.is_set():
             unit.restart_at = None

@@ -58,6 +58,8 @@ ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # grpcio shares a port with any other listener by default: a second server must fail instead
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -186,6 +188,18 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
 # ---------------------------------------------------------------- servers
 
 
+def supervised_service(supervisor_pid: int | str) -> str:
+    """The health service a child of `--role all` also reports under: its supervisor's
+    readiness checks ask for this name, which no other deployment's processes answer."""
+    return f"ref_server.supervised.{supervisor_pid}"
+
+
+def health_names(*names: str) -> list[str]:
+    """`names`, and this process's supervised name when a supervisor started it."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    return [*names, supervised_service(supervisor)] if supervisor else list(names)
+
+
 def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> int:
     """The port bound (config.port, or a free one for 0)."""
     address = f"{config.host}:{config.port}"
@@ -197,7 +211,7 @@ def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> i
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is not local")
     return bound
 
 
@@ -233,7 +247,8 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
     health_service = health.aio.HealthServicer()
 
     def failed() -> None:  # the ranks lost each other: out of service for good
-        asyncio.run_coroutine_threadsafe(health_service.set("", NOT_SERVING), aio_loop)
+        for name in health_names(""):
+            asyncio.run_coroutine_threadsafe(health_service.set(name, NOT_SERVING), aio_loop)
 
     loop = EngineLoop(engine, config.hold_seconds, group, on_failure=failed)
     args, cache = engine.model.args, engine.runner.cache
@@ -263,7 +278,8 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
         rpc.add_DecodeServicer_to_server(DecodeService(loop, config.max_model_len, puller), server)
     port = _listen(server, config)
     await server.start()
-    await health_service.set("", SERVING)
+    for name in health_names(""):
+        await health_service.set(name, SERVING)
     print(f"ref-server {config.role}: serving on {config.host}:{port}", flush=True)
     try:
         await _until(stop)
@@ -291,7 +307,7 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
         nonlocal serving
         serving = not pool.problem
         status = SERVING if serving else NOT_SERVING
-        for name in ("", ROUTER_SERVICE):
+        for name in health_names("", ROUTER_SERVICE):
             await health_service.set(name, status)
         metrics.show_workers(pool.workers)
 

@@ -1,0 +1,119 @@
+"""`--role all`'s ports and supervisor (CPU, real processes): a taken port is refused before
+anything starts, no server shares its port, readiness is asked of the supervisor's own child,
+and a process that keeps dying stops the deployment instead of restarting forever."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ref_server.services import deployment
+from ref_server.services.deployment import Deployment, Unit, free_port, wait_serving
+from ref_server.services.servers import supervised_service
+
+
+def listener(port: int) -> socket.socket:
+    """A listening socket that allows others on its port, as grpcio's own servers do."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def ref_server(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "REF_SERVER_INTERNAL_SECRET": "s"}
+    return subprocess.run(
+        [sys.executable, "-m", "ref_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize("taken", ["port", "http-port"])
+def test_serve_refuses_a_taken_port_in_one_line_before_it_starts_a_process(taken):
+    ports = {"port": free_port(), "http-port": free_port()}
+    with listener(ports[taken]):
+        result = ref_server(
+            "serve", "--device", "cpu", "--port", str(ports["port"]),
+            "--http-port", str(ports["http-port"]),
+        )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    what = "gRPC" if taken == "port" else "HTTP"
+    assert line.startswith(f"ref-server serve: error: the {what} port 127.0.0.1:{ports[taken]}")
+    assert "is in use" in line and "another ref-server?" in line
+
+
+def test_a_router_does_not_share_a_port_that_another_server_listens_on():
+    port = free_port()
+    with listener(port):
+        result = ref_server(
+            "serve", "--role", "router", "--device", "cpu", "--port", str(port),
+            "--http-port", "0", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2",
+        )  # fmt: skip
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in result.stderr
+
+
+@pytest.fixture
+def foreign_server():
+    """A gRPC server on a free port whose health service says SERVING, as another
+    deployment's router would."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+def test_readiness_is_asked_of_the_supervisors_own_child(foreign_server):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        wait_serving(foreign_server, 5, child)  # any server's SERVING would do for ""
+        with pytest.raises(RuntimeError, match="was not SERVING within 1 s"):
+            wait_serving(foreign_server, 1, child, service=supervised_service(os.getpid()))
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_supervisor_gives_up_on_a_process_that_keeps_dying(monkeypatch, foreign_server):
+    """A router that exits at once while another deployment answers on its port: restarted
+    after each death (never counted healthy, since the other one is not its child), then the
+    deployment stops with one message instead of restarting it forever."""
+    monkeypatch.setattr(deployment, "RESTART_DELAYS_S", (0, 0, 0, 0))
+    running = Deployment.__new__(Deployment)
+    running.config = type("Config", (), {"tls_cert": None})()
+    running.env = dict(os.environ)
+    running.startup_timeout = 2
+    running.stopping = threading.Event()
+    running.failure = None
+    router = Unit("router", {foreign_server: [sys.executable, "-c", "raise SystemExit(3)"]})
+    running.router, running.instances = router, []
+    router.start(running.env)
+    starts = 1
+    while not running.stopping.is_set():
+        previous = router.processes
+        running._look_after(router)
+        if router.processes is not previous:
+            starts += 1
+        assert starts <= 5
+    assert starts == 5 and router.deaths == 5
+    assert running.failure == (
+        f"the router at {foreign_server} died 5 times in a row without serving "
+        "(exit codes [3]); see its log above"
+    )
