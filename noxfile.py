@@ -94,17 +94,20 @@ def build(session: nox.Session, package: str) -> None:
     session.run("python", "-m", "venv", "--clear", str(venv))
     # By name, so pip takes the newest wheel in dist/ (no package of ours is on PyPI).
     session.run(
-        str(venv / "bin" / "pip"), "install", "-q", CPU_TORCH, "--find-links", str(dist), package
-    )
+        str(venv / "bin" / "pip"), "install", "-q", CPU_TORCH, "--find-links", str(dist), package,
+        external=True,
+    )  # fmt: skip
     module = package.replace("-", "_")
     probe = f"import {module}; print({module}.__name__, {module}.__version__)"
-    session.run(str(venv / "bin" / "python"), "-c", probe)
+    session.run(str(venv / "bin" / "python"), "-c", probe, external=True)
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The project's main job: the disaggregated deployment on loopback (router, a prefill and
-    a decode instance as processes, the tiny model), a few requests, what it measured."""
+    """The main job: the deployment on loopback with the tiny model, requests, what it measured.
+
+    A router, a prefill and a decode instance as processes; arguments after `--` go to
+    `ref-server demo`."""
     session.install(
         CPU_TORCH, *(str(package_dir(name)) for name in with_local_dependencies("ref-server"))
     )

@@ -159,6 +159,7 @@ def test_demo_help_shows_its_flags_and_defaults_but_not_those_it_sets_itself():
     assert "(default: 24)" in entries["--max-tokens"]
     assert "(default: a free port)" in entries["--port"]
     assert "(default: a free port)" in entries["--http-port"]
+    assert "(default: warning)" in entries["--log-level"]
     assert f"{{{','.join(PRESET_NAMES)}}}" in entries["--preset"]
     defaults = ServeConfig()
     for name in ("preset", "device", "ranks", "num_blocks", "hold_seconds", "tls_cert"):
@@ -286,6 +287,18 @@ def test_the_deployment_on_cuda_without_cuda_refuses_with_one_line(command):
     result = ref_server(command, "--device", "cuda:0", "--http-port", "0", env=without_cuda())
     line = one_error_line(result, command)  # demo announces nothing either
     assert "device cuda:0: this machine's torch sees no CUDA device" in line
+
+
+def test_the_demo_streams_clean_text_with_no_log_line_inside_it():
+    """Its instances log warnings only, and the random weights' control characters are
+    shown as escapes, so the streamed text reaches the terminal whole and harmless."""
+    result = ref_server("demo", "--device", "cpu", "--requests", "2", "--max-tokens", "48",
+                        env=without_cuda())  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert " INFO " not in result.stdout + result.stderr
+    streamed = result.stdout.split(" ->\n", 1)[1].split("\n2 requests in ", 1)[0]
+    assert streamed.strip() and all(c.isprintable() for c in streamed.strip("\n"))
+    assert "2 requests in " in result.stdout
 
 
 @pytest.fixture

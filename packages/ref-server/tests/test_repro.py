@@ -358,13 +358,26 @@ def test_cpu_measurement_is_labelled_everywhere_and_refused_as_gpu_figure(term_r
     derived_rows = [r for r in resting_on_cpu if r["source"] == "derived"]
     assert derived_rows and all(CPU_LABEL in r["note"] for r in derived_rows)
     assert all(row["figure"] == CPU_LABEL for row in data["comparisons"])
-    text = table.to_text()
+    text = table.to_text(every_term=True)
     assert text.startswith(f"day-6 reproduction: {CPU_LABEL}")
     for row in resting_on_cpu:
         lines = [x for x in text.splitlines() if x.strip().startswith(row["name"] + " ")]
         assert lines and all(CPU_LABEL in line for line in lines), row["name"]
     with pytest.raises(NotAGPUFigure, match="CPU, not a GPU figure"):
         table.decode.gpu_figure()
+
+
+def test_the_text_fits_100_columns_and_cites_only_public_documents(term_rows):
+    table = reproduction(H200)
+    summary, full = table.to_text(), table.to_text(every_term=True)
+    for text in (summary, full):
+        assert max(len(line) for line in text.splitlines()) <= 100
+        assert ".md" not in text and "§" not in text
+    assert len(summary.splitlines()) < 60 < len(full.splitlines())
+    assert " / profile_decode_per_node (18,598, saturation)" in summary
+    assert "prefill inputs" not in summary and "prefill inputs" in full
+    assert "--terms" in summary
+    assert not [r["name"] for r in term_rows(table.to_json()) if ".md" in r["note"]]
 
 
 def test_gpu_figure_needs_a_measured_two_batch_step():

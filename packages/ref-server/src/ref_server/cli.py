@@ -17,6 +17,7 @@ from pathlib import Path
 from ref_server import __version__, economics
 from ref_server.services.config import (
     KV_TRANSFERS,
+    LOG_LEVELS,
     PRESET_NAMES,
     ROLES,
     TWO_BATCH,
@@ -50,6 +51,7 @@ SETTING_GROUPS = {
         "ranks", "rank", "group_address", "group_timeout_s",
     ),
     "security": ("api_key_file", "isolate_cache", "tls_cert", "tls_key", "internal_secret_file"),
+    "logging": ("log_level",),
 }  # fmt: skip
 METAVARS = {
     "host": "HOST",
@@ -72,9 +74,11 @@ CHOICES = {
     "two_batch": TWO_BATCH,
     "kv_transfer": KV_TRANSFERS,
     "weight_dtype": WEIGHT_DTYPES,
+    "log_level": LOG_LEVELS,
 }
 # `demo` always runs --role all, which sets these itself for its processes.
 NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address")
+DEMO_DEFAULTS = {"port": "a free port", "http_port": "a free port", "log_level": "warning"}
 
 SERVE_DESCRIPTION = """\
 Run one process of the disaggregated deployment (--role router, prefill or decode), or all
@@ -289,6 +293,9 @@ def _repro_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="weights, tokens, loads (default: 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--terms", action="store_true", help="also every input term, with its source and note"
+    )
     parser.add_argument("--plot", metavar="PNG", help="bars of ours beside the published figures")
 
 
@@ -394,8 +401,8 @@ def _serve_flags(parser: argparse.ArgumentParser, for_demo: bool) -> None:
         for name in names:
             field = fields[name]
             shown = _shown(getattr(defaults, name))
-            if for_demo and name in ("port", "http_port"):
-                shown = "a free port"
+            if for_demo:
+                shown = DEMO_DEFAULTS.get(name, shown)
             help = f"{field.metadata['help']} (default: {shown})".replace("%", "%%")
             flag = "--" + name.replace("_", "-")
             if field.type == "bool":
@@ -518,7 +525,9 @@ def _demo(args: argparse.Namespace) -> int:
         config = config.replace(port=free_port())
     if args.http_port is None:
         config = config.replace(http_port=free_port())
-    run_demo(config, args.requests, args.max_tokens, Console())
+    if args.log_level is None:  # the instances' INFO lines would land inside the streamed text
+        config = config.replace(log_level="warning")
+    run_demo(config, args.requests, args.max_tokens, Console(soft_wrap=True))
     return 0
 
 
@@ -605,7 +614,7 @@ def _repro(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reproduction.to_json(), indent=2))
     else:
-        print(reproduction.to_text())
+        print(reproduction.to_text(every_term=args.terms))
     if args.plot:
         draw(reproduction, args.plot)
     return 0

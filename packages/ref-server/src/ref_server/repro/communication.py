@@ -2,7 +2,7 @@
 InfiniBand), for fabrics where no measurement of ours exists. A measured time is a plain
 `Term(..., source="measured")` from ep-comm's own benchmark on the fabric at hand.
 
-Both conversions are linear in bytes, as wave2.md §6.3 step 2 prescribes. Low-latency
+Both conversions are linear in bytes, as docs/reproduction.md's method prescribes. Low-latency
 figures were taken at 128 tokens a rank; below that latency dominates and the scaled time is
 optimistic.
 """

@@ -1,5 +1,5 @@
-"""Our projected figures beside the published ones (wave2.md §6.3 step 6), and what they are
-worth under DeepSeek's day-6 cost model (`ref_server.economics`).
+"""Our projected figures beside the published ones (docs/reproduction.md, Comparisons), and
+what they are worth under DeepSeek's day-6 cost model (`ref_server.economics`).
 
 Like is compared with like only where the reference is a saturation figure too: day 6's
 73.7k / 14.8k are 24-hour averages over varying load, so each row says which kind its

@@ -1,4 +1,4 @@
-"""From one GPU's per-layer times to tokens per second per node (wave2.md §6.3 steps 3-5).
+"""From one GPU's per-layer times to tokens per second per node (docs/reproduction.md, The method).
 
 Three step times: no overlap (the two microbatches one after the other), ideal two-batch
 overlap (a lower bound on the step, so an upper bound on throughput) and, when a run of the

@@ -1,7 +1,8 @@
 """The published figures the projection uses or compares with, each citing its source.
 
-Every value is copied from `shared/anchors.md` or `shared/research/` (wave2.md §1.2 and §6,
-ep-comm.md §3), which cite the original documents; none is computed here. The day-6 figures
+Every value is copied from the public document its term names (DeepSeek's open-infra-index
+day 6 post and profile-data, DeepEP's README, SGLang's large-scale EP post, NVIDIA's spec
+sheets); none is computed here. The day-6 figures
 that `ref_server.economics` holds already (its "deepseek-day6" preset) are read from there.
 "Per node" means per 8-GPU node of the phase that produced the tokens unless the note says
 otherwise.
@@ -14,11 +15,11 @@ from ref_server.repro.terms import Term
 
 _DAY6 = PRESETS["deepseek-day6"]
 
-DAY6 = "DeepSeek open-infra-index day 6, 24 h from 2025-02-27 (anchors.md)"
-PROFILE = "deepseek-ai/profile-data@4496024 settings (anchors.md, wave2.md §6.1)"
-SGLANG = "SGLang blog 2025-05-05 large-scale EP, 96 x H100 (wave2.md §6.1)"
-DEEPEP_LL = "DeepEP README@567632d, H800 + CX7 IB, 128 tokens, H 7168, top-8 (wave2.md §1.2)"
-DEEPEP_NORMAL = "DeepEP README, H800 + CX7 IB, 4096 tokens, H 7168, top-8 (anchors.md, ep-comm.md)"
+DAY6 = "DeepSeek open-infra-index, day 6 post: 24 h from 2025-02-27 12:00 UTC+8"
+PROFILE = "deepseek-ai/profile-data@4496024 settings"
+SGLANG = "LMSYS blog 2025-05-05, SGLang large-scale EP on 96 x H100"
+DEEPEP_LL = "DeepEP README@567632d, H800 + CX7 IB, 128 tokens, H 7168, top-8"
+DEEPEP_NORMAL = "DeepEP README, H800 + CX7 IB, 4096 tokens, H 7168, top-8"
 
 
 def _term(name: str, value: float, unit: str, note: str) -> Term:
@@ -94,8 +95,7 @@ SGLANG_PREFILL_BALANCEDNESS = _term(
     "sglang_prefill_balancedness",
     0.85,
     "1",
-    "SGLang's prefill with its default expert placement vs simulated perfect balance "
-    "(wave2.md §6.3 step 4)",
+    f"SGLang's prefill with its default expert placement vs simulated perfect balance; {SGLANG}",
 )
 
 # DeepEP's communication figures on H800 + InfiniBand ("published-H800-IB").
@@ -127,17 +127,17 @@ DEEPEP_NORMAL_COMBINE_EP32 = _term(
     f"internode EP32 RDMA bandwidth, BF16, after the April 2025 update; {DEEPEP_NORMAL}",
 )
 
-# Hardware (anchors.md "Hardware ceilings"; wave2.md §6.3 step 7).
-H800_HBM_BANDWIDTH = _term("h800_hbm_bandwidth", 3.35e12, "B/s", "H800 SXM spec (anchors.md)")
-H200_HBM_BANDWIDTH = _term("h200_hbm_bandwidth", 4.8e12, "B/s", "H200 SXM spec (anchors.md)")
-H800_HBM_CAPACITY = _term("h800_hbm_capacity", 80e9, "B", "H800 (wave2.md §6.3 step 7)")
-H200_HBM_CAPACITY = _term("h200_hbm_capacity", 141e9, "B", "H200 SXM (anchors.md)")
+# Hardware: NVIDIA's spec sheets; NVLink as DeepEP measured it.
+H800_HBM_BANDWIDTH = _term("h800_hbm_bandwidth", 3.35e12, "B/s", "NVIDIA H800 SXM spec")
+H200_HBM_BANDWIDTH = _term("h200_hbm_bandwidth", 4.8e12, "B/s", "NVIDIA H200 SXM spec")
+H800_HBM_CAPACITY = _term("h800_hbm_capacity", 80e9, "B", "NVIDIA H800 SXM spec, 80 GB")
+H200_HBM_CAPACITY = _term("h200_hbm_capacity", 141e9, "B", "NVIDIA H200 SXM spec, 141 GB")
 DENSE_BF16_TENSOR = _term(
     "dense_bf16_tensor_flops",
     990e12,
     "FLOP/s",
-    "H800, H100 and H200 spec alike, the same SM count (anchors.md)",
+    "NVIDIA spec: H800, H100 and H200 alike, the same SM count",
 )
 H800_NVLINK = _term(
-    "h800_nvlink_per_direction", 160e9, "B/s", "usable per direction, DeepEP's H800 (anchors.md)"
+    "h800_nvlink_per_direction", 160e9, "B/s", "usable per direction on H800, DeepEP README"
 )

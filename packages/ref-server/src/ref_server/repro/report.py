@@ -5,6 +5,7 @@ measured row and at its head."""
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 from ref_server.repro import comparison, published
@@ -58,7 +59,7 @@ class Reproduction:
         )
 
     def hardware(self) -> list[Term]:
-        """H800 (DeepSeek's) against H200 (ours), wave2.md §6.3 step 7."""
+        """H800 (DeepSeek's) against H200 (ours), as docs/reproduction.md compares them."""
         ratio = derived(
             "hbm_bandwidth_h200_over_h800",
             published.H200_HBM_BANDWIDTH.value / published.H800_HBM_BANDWIDTH.value,
@@ -120,27 +121,47 @@ class Reproduction:
             "caveats": list(CAVEATS),
         }
 
-    def to_text(self) -> str:
-        """Every term as a line (name, value, unit, source, note), headed by the label."""
+    def to_text(self, every_term: bool = False) -> str:
+        """The summary: each phase's step times and throughput, the economics and the
+        comparisons, then the caveats; `every_term` adds the inputs, the per-rank work, the
+        hardware and the memory check, each term with its source and note. Lines fit 100
+        columns."""
         data = self.to_json()
+        parts = ("per_rank_work", "inputs", "step_times", "throughput")
+        if not every_term:
+            parts = parts[2:]
+        sections = [(f"{phase} {part}", data[phase][part]) for phase in ("prefill", "decode")
+                    for part in parts]  # fmt: skip
+        sections.append(("economics", data["economics"]))
+        if every_term:
+            sections += [(name, data[name]) for name in ("hardware", "memory")]
         lines = [f"day-6 reproduction: {self.label}"]
-        sections = [
-            (f"{phase} {part}", data[phase][part])
-            for phase in ("prefill", "decode")
-            for part in ("per_rank_work", "inputs", "step_times", "throughput")
-        ]
-        sections += [(name, data[name]) for name in ("economics", "hardware", "memory")]
         for title, rows in sections:
             lines.append(f"\n{title}")
-            lines += [_line(row) for row in rows]
-        lines.append("\ncomparisons (ours / published)")
+            for row in rows:
+                lines += _lines(row, every_term)
+        lines.append("\nours / published")
         for row in data["comparisons"]:
             ref = row["reference"]
-            lines.append(
-                f"  {row['ours']:<44} {row['ratio']:6.2f} x {ref['name']} "
-                f"({ref['value']:,.0f}, {row['kind']}): {row['caveat']}"
+            line = f"{row['ratio']:5.2f}  {row['ours']} / {ref['name']} ({ref['value']:,.0f}, "
+            lines += textwrap.wrap(
+                line + f"{row['kind']})", WIDTH, initial_indent="  ", subsequent_indent=" " * 9
             )
-        return "\n".join([*lines, "", *(f"- {caveat}" for caveat in CAVEATS)])
+            if every_term:
+                lines += _wrapped(row["caveat"])
+        lines.append("")
+        for caveat in CAVEATS:
+            lines += textwrap.wrap(caveat, WIDTH, initial_indent="- ", subsequent_indent="  ")
+        if not every_term:
+            lines.append("\nEvery term with its source and note: --terms; as JSON: --json.")
+        return "\n".join(lines)
+
+
+WIDTH = 100
+
+
+def _wrapped(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent="      ", subsequent_indent="      ")
 
 
 def _row(term: Term, label: str) -> dict[str, object]:
@@ -150,9 +171,12 @@ def _row(term: Term, label: str) -> dict[str, object]:
     return row
 
 
-def _line(row: dict[str, object]) -> str:
-    unlabelled = row.get("figure") == CPU_LABEL and CPU_LABEL not in row["note"]
-    figure = f" [{CPU_LABEL}]" if unlabelled else ""
-    basis = f"derived from {'+'.join(row['basis'])}" if "basis" in row else row["source"]
-    value = f"{row['value']:>14,.6g} {row['unit']:<12}"
-    return f"  {row['name']:<44} {value} {basis}: {row['note']}{figure}"
+def _lines(row: dict[str, object], with_note: bool) -> list[str]:
+    """A term's name, value and unit, labelled when it rests on a CPU measurement; with_note:
+    then where it comes from."""
+    label = f"  [{CPU_LABEL}]" if row.get("figure") == CPU_LABEL else ""
+    lines = [f"  {row['name']:<48} {row['value']:>12,.6g} {row['unit']}{label}"]
+    if with_note:
+        basis = f"derived from {'+'.join(row['basis'])}" if "basis" in row else row["source"]
+        lines += _wrapped(f"{basis}: {row['note']}")
+    return lines

@@ -1,6 +1,7 @@
 """The work one GPU does per step at DeepSeek's operating points, under perfectly even routing
-(wave2.md §6.2): routed (token, expert) pairs, rows per expert and per GPU, shared-expert rows,
-and the bytes DeepEP's low-latency accounting moves per GPU per MoE layer.
+(docs/reproduction.md, Per-rank work): routed (token, expert) pairs, rows per expert and per
+GPU, shared-expert rows, and the bytes DeepEP's low-latency accounting moves per GPU per MoE
+layer.
 
 The dimensions are plain numbers (the V3 preset of `ref_server.model.ModelArgs`, whose package
 imports torch; the tests check they agree).

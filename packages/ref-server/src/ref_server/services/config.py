@@ -16,6 +16,7 @@ WEIGHT_DTYPES = ("dense", "fp8")
 KV_TRANSFERS = ("auto", "nixl", "cuda_ipc", "grpc")  # ref_server.services.kv_transfer.METHODS
 PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _setting(default, help: str):
@@ -150,6 +151,11 @@ class ServeConfig:
         None,
         "the internal services' secret (else REF_SERVER_INTERNAL_SECRET; --role all makes one)",
     )
+    log_level: str = _setting(
+        "info",
+        "the least severe log records each process writes to stderr: debug, info, warning or "
+        "error (demo: warning, so that no log line lands in the streamed text)",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -164,8 +170,12 @@ class ServeConfig:
                 f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
             )
         if self.kv_transfer not in KV_TRANSFERS:
-            raise ValueError(
+            problems.append(
                 f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            problems.append(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
         if self.two_batch not in TWO_BATCH:
             problems.append(

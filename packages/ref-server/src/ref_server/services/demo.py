@@ -20,6 +20,11 @@ PROMPTS = [
 ]
 
 
+def visible(text: str) -> str:
+    """Text for a terminal: control characters (random weights produce them) as escapes."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+
+
 def run_demo(config: ServeConfig, num_requests: int, max_tokens: int, console: Console) -> dict:
     """Send the requests, stream the first to the console; returns what was measured."""
     weights = (
@@ -36,7 +41,11 @@ def run_demo(config: ServeConfig, num_requests: int, max_tokens: int, console: C
         with Client(deployment.address) as client:
 
             def send(i: int):
-                shown = (lambda c: console.print(c.text, end="", markup=False)) if i == 0 else None
+                shown = (
+                    (lambda c: console.print(visible(c.text), end="", markup=False))
+                    if i == 0
+                    else None
+                )
                 prompt = PROMPTS[i % len(PROMPTS)]
                 try:
                     return client.generate(

@@ -314,7 +314,10 @@ class KvPuller:
         if peer is None:
             return None, self.why_not_nixl or "no NIXL from that instance"
         if self.method == "auto" and peer.same_host:
-            return None, "one host, not both caches on CUDA devices (auto: NIXL across hosts)"
+            return (
+                None,
+                "one host, the caches not both on CUDA devices; auto uses NIXL across hosts",
+            )
         asked = pb.PullRequest(kv_handle=handle.kv_handle, nixl_pages=True)
         located = await link.transfer.Locate(asked, timeout=TRANSFER_TIMEOUT)
         if located.cache_id != peer.cache_id:  # it restarted since: meet its new agent

@@ -364,7 +364,9 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
 def serve(config: ServeConfig) -> None:
     """Run this config's process until SIGINT or SIGTERM. What is missing (the secret, the
     device) is said before the slow parts (joining the ranks, loading the model)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     secret = internal_secret(config)
     if config.role == "router":
         asyncio.run(run_router(config, secret))
