@@ -172,19 +172,23 @@ __device__ __forceinline__ void key_times_q(const uint8_t* raw, const raw_tile::
     uint32_t values[2][8];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      uint4 low, high;
       if (group < kHeadDimV / 64) {
         const uint4 bytes = *reinterpret_cast<const uint4*>(raw + at.key_latent(half, group));
+        const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
         const float scale = scales[half][group / 2];
-        low = fp8x8_to<T>(make_uint2(bytes.x, bytes.y), scale);
-        high = fp8x8_to<T>(make_uint2(bytes.z, bytes.w), scale);
-      } else {
-        low = bf16x8_to<T>(*reinterpret_cast<const uint4*>(raw + at.key_rope(half, 0)));
-        high = bf16x8_to<T>(*reinterpret_cast<const uint4*>(raw + at.key_rope(half, 1)));
-      }
-      const uint32_t words[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
 #pragma unroll
-      for (int k = 0; k < 8; ++k) values[half][k] = words[k];
+        for (int s = 0; s < 4; ++s) {
+          const float4 f = fp8x4_to_float4(words[s]);
+          values[half][2 * s] = pack2<T>(f.x * scale, f.y * scale);
+          values[half][2 * s + 1] = pack2<T>(f.z * scale, f.w * scale);
+        }
+      } else {
+        const uint4 low = bf16x8_to<T>(*reinterpret_cast<const uint4*>(raw + at.key_rope(half, 0)));
+        const uint4 high = bf16x8_to<T>(*reinterpret_cast<const uint4*>(raw + at.key_rope(half, 1)));
+        const uint32_t words[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) values[half][k] = words[k];
+      }
     }
 #pragma unroll
     // Converted before the fence (else the compiler may move conversions past it, and ptxas then
@@ -229,10 +233,10 @@ __device__ __forceinline__ void values_times_p(const uint8_t* raw, const raw_til
       for (int k = 0; k < 4; ++k) {
         const uint32_t words[2] = {half ? bytes[k].z : bytes[k].x, half ? bytes[k].w : bytes[k].y};
 #pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          const float2 f = fp8x2_to_float2(words[pair / 2] >> (16 * (pair % 2)));
-          v[k][2 * pair] = f.x * scale[k];
-          v[k][2 * pair + 1] = f.y * scale[k];
+        for (int w = 0; w < 2; ++w) {
+          const float4 f = fp8x4_to_float4(words[w]);
+          v[k][4 * w] = f.x * scale[k], v[k][4 * w + 1] = f.y * scale[k];
+          v[k][4 * w + 2] = f.z * scale[k], v[k][4 * w + 3] = f.w * scale[k];
         }
       }
       uint32_t fragments[4][4];

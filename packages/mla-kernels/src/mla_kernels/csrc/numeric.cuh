@@ -34,12 +34,6 @@ __device__ __forceinline__ T from_float(float v) {
   }
 }
 
-// Two e4m3 values (the low 16 bits of `packed`) as floats, exactly.
-__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t packed) {
-  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(packed), __NV_E4M3);
-  return __half22float2(*reinterpret_cast<const __half2*>(&raw));
-}
-
 // Eight e4m3 values times `scale`, as eight T.
 template <typename T>
 __device__ __forceinline__ uint4 fp8x8_to(uint2 packed, float scale) {
@@ -47,10 +41,24 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 packed, float scale) {
   const uint32_t words[2] = {packed.x, packed.y};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 v = fp8x2_to_float2(words[i / 2] >> (16 * (i % 2)));
+    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
+    const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&raw));
     out[i] = pack2<T>(v.x * scale, v.y * scale);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Four e4m3 values (the bytes of `packed`, lowest first) as floats, exactly. The upper pair is
+// converted where it lies (F2FP's .H1 operand), not shifted down first.
+__device__ __forceinline__ float4 fp8x4_to_float4(uint32_t packed) {
+  uint32_t low, high;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}"
+      : "=r"(low), "=r"(high)
+      : "r"(packed));
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&low));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&high));
+  return make_float4(a.x, a.y, b.x, b.y);
 }
 
 // Eight bf16 values as eight T.
