@@ -1,5 +1,5 @@
 // The narrow FP8 decode kernel that dequantizes in its consumers' registers. Experimental: off
-// unless MLA_KERNELS_FP8_IN_REGISTERS=1 (mla_kernels/extension.py), and not yet run on a GPU.
+// unless MLA_KERNELS_FP8_IN_REGISTERS=1 (mla_kernels/extension.py; its status in NOTES.md).
 //
 // For at most 16 query rows per KV head and an FP8 cache, as consumer_narrow.cuh, but the
 // consumers convert the raw FP8 tiles themselves (consumer_fp8_registers.cuh): there is no bf16
