@@ -27,22 +27,34 @@ export PYTHONPATH=${sources}/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
 # What each stage checks, and why it is pending.
 declare -A PENDING=(
-  [mla-tests]="mla-kernels GPU tests (test_cuda.py): the kernel on every page size, dtype, FP8 cache"
+  [mla-tests]="mla-kernels GPU tests (test_cuda.py): the kernel on every page size, dtype, FP8 cache, both narrow FP8 kernels"
   [mla-peer]="bench_decode.py --peer: every table of the 0.2 goals (uniform, mixed lengths, s_q 2-4, page sizes, FP8) under both timings, FlashMLA built beside"
+  [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
 )
 
 mla-tests() {
   python3 -m pytest -q -m gpu packages/mla-kernels/tests
 }
 
-mla-peer() {
+# bench_decode.py --peer, its JSON named $1, with the arguments that follow.
+peer-bench() {
   # FlashMLA is built beside ours on this machine as ../shared/peers/flashmla/README.md says;
   # its sources and build never enter this repository.
   if ! [ -d "${FLASHMLA_PEER_BUILD:-}" ]; then
     echo "FLASHMLA_PEER_BUILD is not a folder: build the peer first (../shared/peers/flashmla)"
     return 1
   fi
-  python3 packages/mla-kernels/benchmarks/bench_decode.py --peer --json "$logs/mla-peer.json"
+  local name=$1
+  shift
+  python3 packages/mla-kernels/benchmarks/bench_decode.py --peer "$@" --json "$logs/$name.json"
+}
+
+mla-peer() {
+  peer-bench mla-peer
+}
+
+mla-fp8-registers() {
+  peer-bench mla-fp8-registers --tables fp8,fp8-registers
 }
 
 if [ $# -eq 0 ]; then

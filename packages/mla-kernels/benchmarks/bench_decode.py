@@ -1,7 +1,7 @@
 """FlashMLA's decode sweep on this GPU: our kernel beside a plain-torch bmm baseline, the
 GPU's measured copy and matmul ceilings, and FlashMLA's own figures on our H200 box.
 
-    python benchmarks/bench_decode.py [--quick] [--peer] [--json results.json]
+    python benchmarks/bench_decode.py [--quick] [--peer [--tables T,...]] [--json results.json]
 
 With `--peer`, FlashMLA's own kernel (`flashmla_peer`, built by
 ../shared/peers/flashmla/build.py, never by this script) runs beside ours on the same tokens in
@@ -14,6 +14,9 @@ tables, ours / FlashMLA speed with the goal each should meet:
   s_q      2 and 4 query tokens (speculative decoding's verification), causal
   page     ours at pages of 16, 32, 64 and 128 tokens, FlashMLA at 64 (the only one it takes)
   fp8      ours on the FP8 cache / ours on its bf16 twin (FlashMLA timed on the twin too)
+  fp8-registers  the same at h_q 16 with MLA_KERNELS_FP8_IN_REGISTERS=1 (the experimental
+           narrow kernel that dequantizes in registers); only with --tables
+`--tables` runs only the peer tables named (and neither the eager call nor the sweep below).
 
 Also the whole eager call as a user makes it (`get_mla_metadata`, then
 `flash_mla_with_kvcache`, with and without `check_values`) beside the kernel replayed from a
@@ -27,6 +30,7 @@ token_bytes is 1152 for a bf16 cache and 656 for the FP8 layout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -153,13 +157,14 @@ def import_peer():
 class PeerCase:
     """One comparison of ours against FlashMLA (page 64, bf16 cache) on the same tokens."""
 
-    table: str  # uniform | mixed | s_q | page | fp8
+    table: str  # one of TABLES
     label: str
     seqlens: list[int]
     s_q: int
     h_q: int
     page_size: int = 64  # ours; FlashMLA always reads the page-64 cache
     fp8: bool = False  # ours reads the FP8 cache; FlashMLA and "ours_bf16" its dequantized twin
+    fp8_in_registers: bool = False  # ours with MLA_KERNELS_FP8_IN_REGISTERS=1
 
 
 # ThunderMLA's post (Hazy Research, 2025-03) reports FlashMLA at 52 us and its own kernel at
@@ -170,6 +175,8 @@ THUNDERMLA_LENGTHS = [4641, 45118, 1730, 1696]
 GOALS = {"uniform": 1.0, "mixed": 1.2, "s_q": 1.0, "page": 1.0}
 UNIFORM_GOAL_128 = 1.15
 FP8_GOALS = {16: 1.6, 128: 1.0}
+TABLES = ("uniform", "mixed", "s_q", "page", "fp8", "fp8-registers")
+DEFAULT_TABLES = TABLES[:-1]
 
 
 def peer_cases(quick: bool, generator: torch.Generator) -> list[PeerCase]:
@@ -194,7 +201,34 @@ def peer_cases(quick: bool, generator: torch.Generator) -> list[PeerCase]:
         for n in lengths
         for h in heads
     ]
+    cases += [
+        PeerCase(
+            "fp8-registers",
+            f"s_k {n // 1024}K",
+            [n] * BATCH,
+            1,
+            16,
+            fp8=True,
+            fp8_in_registers=True,
+        )
+        for n in lengths
+    ]
     return cases
+
+
+@contextlib.contextmanager
+def fp8_kernel(in_registers: bool):
+    """MLA_KERNELS_FP8_IN_REGISTERS for the calls and CUDA graph captures inside."""
+    name = "MLA_KERNELS_FP8_IN_REGISTERS"
+    previous = os.environ.get(name)
+    os.environ[name] = "1" if in_registers else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
 
 
 def burst_times_ms(fns: list, calls: int = 10, reps: int = 15) -> list[float]:
@@ -269,35 +303,39 @@ def max_diffs(result, other) -> list[float]:
 def peer_row(peer, case: PeerCase, limits: dict[str, float], generator) -> dict:
     """Ours and FlashMLA (and ours on an FP8 cache's bf16 twin) on one case: the same result
     first, then both timings, the kernels interleaved."""
-    inputs = build_inputs(case, generator)
-    calls = {name: ours_call(c) for name, c in inputs.items() if name != "flashmla"}
-    calls["flashmla"] = peer_call(peer, inputs["flashmla"])
-    results = {name: call() for name, call in calls.items()}
-    # FP8 against its dequantized twin differs only by the order of roundings.
-    diffs = max_diffs(results["ours"], results["flashmla"])
-    if not (diffs[0] < 2e-2 and diffs[1] < 1e-3):
-        raise AssertionError(f"{case}: ours and FlashMLA differ by {diffs} (out, lse)")
-    total = sum(case.seqlens)
-    flops = 2 * case.s_q * case.h_q * total * (576 + 512)
-    io = len(case.seqlens) * case.s_q * case.h_q * (576 + 512) * 2
-    moved = {name: total * 1152 + io for name in calls}
-    moved["ours"] = total * (656 if case.fp8 else 1152) + io
-    row = {"table": case.table, "label": case.label, "b": len(case.seqlens), "s_q": case.s_q}
-    row |= {"h_q": case.h_q, "page_size": case.page_size, "fp8": case.fp8, "max_diff": diffs}
-    row |= {"sum_seqlen": total, "flops": flops, "bytes": moved}
-    names = list(calls)
-    fns = [calls[name] for name in names]
-    for timing, times in (("flush", times_ms(fns)), ("burst", burst_times_ms(fns))):
-        for name, ms in zip(names, times, strict=True):
-            floor = max(flops / limits["matmul_TFLOPs"], moved[name] / limits["copy_TBps"]) / 1e9
-            row[f"{timing}_{name}_ms"] = ms
-            row[f"{timing}_{name}_roofline_share"] = floor / ms
-        ours_ms = row[f"{timing}_ours_ms"]
-        row[f"{timing}_ours_over_flashmla"] = row[f"{timing}_flashmla_ms"] / ours_ms
-        base = "ours_bf16" if case.fp8 else "flashmla"
-        row[f"{timing}_ratio"] = row[f"{timing}_{base}_ms"] / ours_ms
-    print_peer_row(row)
-    return row
+    with fp8_kernel(case.fp8_in_registers):  # read at every call of ours
+        inputs = build_inputs(case, generator)
+        calls = {name: ours_call(c) for name, c in inputs.items() if name != "flashmla"}
+        calls["flashmla"] = peer_call(peer, inputs["flashmla"])
+        results = {name: call() for name, call in calls.items()}
+        # FP8 against its dequantized twin differs only by the order of roundings.
+        diffs = max_diffs(results["ours"], results["flashmla"])
+        if not (diffs[0] < 2e-2 and diffs[1] < 1e-3):
+            raise AssertionError(f"{case}: ours and FlashMLA differ by {diffs} (out, lse)")
+        total = sum(case.seqlens)
+        flops = 2 * case.s_q * case.h_q * total * (576 + 512)
+        io = len(case.seqlens) * case.s_q * case.h_q * (576 + 512) * 2
+        moved = {name: total * 1152 + io for name in calls}
+        moved["ours"] = total * (656 if case.fp8 else 1152) + io
+        row = {"table": case.table, "label": case.label, "b": len(case.seqlens), "s_q": case.s_q}
+        row |= {"h_q": case.h_q, "page_size": case.page_size, "fp8": case.fp8, "max_diff": diffs}
+        row["fp8_in_registers"] = case.fp8_in_registers
+        row |= {"sum_seqlen": total, "flops": flops, "bytes": moved}
+        names = list(calls)
+        fns = [calls[name] for name in names]
+        for timing, times in (("flush", times_ms(fns)), ("burst", burst_times_ms(fns))):
+            for name, ms in zip(names, times, strict=True):
+                floor = (
+                    max(flops / limits["matmul_TFLOPs"], moved[name] / limits["copy_TBps"]) / 1e9
+                )
+                row[f"{timing}_{name}_ms"] = ms
+                row[f"{timing}_{name}_roofline_share"] = floor / ms
+            ours_ms = row[f"{timing}_ours_ms"]
+            row[f"{timing}_ours_over_flashmla"] = row[f"{timing}_flashmla_ms"] / ours_ms
+            base = "ours_bf16" if case.fp8 else "flashmla"
+            row[f"{timing}_ratio"] = row[f"{timing}_{base}_ms"] / ours_ms
+        print_peer_row(row)
+        return row
 
 
 def goal(row: dict) -> float | None:
@@ -327,12 +365,12 @@ def print_peer_row(row: dict) -> None:
 def print_peer_tables(rows: list[dict]) -> None:
     """Each table's ratios, a column per head count, cells 'flush / burst', * where the goal
     is missed under either timing."""
-    for table in ("uniform", "mixed", "s_q", "page", "fp8"):
+    for table in TABLES:
         selected = [r for r in rows if r["table"] == table]
         if not selected:
             continue
         heads = sorted({r["h_q"] for r in selected})
-        title = "ours FP8 / ours bf16" if table == "fp8" else "ours / FlashMLA speed"
+        title = "ours FP8 / ours bf16" if table.startswith("fp8") else "ours / FlashMLA speed"
         print(
             f"\n{table}: {title}, same run, flush / burst | "
             + " | ".join(f"h_q {h}" for h in heads)
@@ -357,11 +395,12 @@ def print_peer_tables(rows: list[dict]) -> None:
     )
 
 
-def peer_rows(peer, quick: bool, limits: dict[str, float]) -> list[dict]:
-    """Ours beside FlashMLA on the same inputs in this run, every case under both timings."""
+def peer_rows(peer, quick: bool, limits: dict[str, float], tables) -> list[dict]:
+    """Ours beside FlashMLA on the same inputs in this run, every case of `tables` under both
+    timings."""
     generator = torch.Generator(device="cuda").manual_seed(2)
     rows = []
-    for case in peer_cases(quick, generator):
+    for case in [c for c in peer_cases(quick, generator) if c.table in tables]:
         rows.append(peer_row(peer, case, limits, generator))
         torch.cuda.empty_cache()
     print_peer_tables(rows)
@@ -468,9 +507,19 @@ def main() -> None:
         "folder on sys.path or in $FLASHMLA_PEER_BUILD) beside ours, interleaved, same inputs",
     )
     parser.add_argument(
+        "--tables",
+        help=f"with --peer, only these tables, comma-separated (of {', '.join(TABLES)}), and "
+        "neither the eager call nor the sweep",
+    )
+    parser.add_argument(
         "--json", default=os.environ.get("BENCH_JSON"), help="write the results here ($BENCH_JSON)"
     )
     args = parser.parse_args()
+    tables = DEFAULT_TABLES if args.tables is None else args.tables.split(",")
+    if not set(tables) <= set(TABLES) or (args.tables and not args.peer):
+        parser.error(
+            f"--tables takes --peer and names among {', '.join(TABLES)}, got {args.tables!r}"
+        )
     assert mla_kernels.backend("cuda") == "cuda", "needs a Hopper GPU and the sm_90a kernel"
     peer = import_peer() if args.peer else None
     if args.peer and peer is None:
@@ -481,9 +530,9 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
         f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
     )
-    peers = peer_rows(peer, args.quick, limits) if peer else []
-    eager = eager_rows(limits)
-    rows = sweep(args.quick, limits)
+    peers = peer_rows(peer, args.quick, limits, tables) if peer else []
+    eager = eager_rows(limits) if args.tables is None else []
+    rows = sweep(args.quick, limits) if args.tables is None else []
     if args.json:
         document = {
             "device": torch.cuda.get_device_name(),

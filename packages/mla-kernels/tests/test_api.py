@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import mla_kernels
+from mla_kernels.extension import fp8_in_registers
 from mla_kernels.testing import decode_case
 
 
@@ -73,6 +74,16 @@ def test_backend_is_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("MLA_KERNELS_BACKEND", "fast")
     with pytest.raises(ValueError, match="MLA_KERNELS_BACKEND='fast'"):
         mla_kernels.backend("cpu")
+
+
+def test_the_experimental_fp8_kernel_is_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv("MLA_KERNELS_FP8_IN_REGISTERS", raising=False)
+    assert fp8_in_registers() is False
+    monkeypatch.setenv("MLA_KERNELS_FP8_IN_REGISTERS", "1")
+    assert fp8_in_registers() is True
+    monkeypatch.setenv("MLA_KERNELS_FP8_IN_REGISTERS", "yes")
+    with pytest.raises(ValueError, match="MLA_KERNELS_FP8_IN_REGISTERS='yes'; expected 0 or 1"):
+        fp8_in_registers()
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,15 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=["bf16", "fp8", "fp8-in-registers"])
+def is_fp8_kvcache(request, monkeypatch):
+    """The cache: 16-bit, or FP8 with either narrow kernel (MLA_KERNELS_FP8_IN_REGISTERS 0 or 1;
+    above 16 query rows per KV head both run the same wide kernel)."""
+    in_registers = request.param == "fp8-in-registers"
+    monkeypatch.setenv("MLA_KERNELS_FP8_IN_REGISTERS", "1" if in_registers else "0")
+    return request.param != "bf16"
+
+
 def poison_allocator(case):
     """Hand the op's output allocations memory full of NaN, so unwritten elements show."""
     b, s_q, h_q, _ = case.q.shape
@@ -73,7 +82,6 @@ def grid_cases():
 
 
 @needs_hopper
-@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
 @pytest.mark.parametrize(("b", "s_q", "s_k", "h_q", "h_kv", "varlen", "causal"), grid_cases())
 def test_grid(b, s_q, s_k, h_q, h_kv, varlen, causal, is_fp8_kvcache, cuda_generator):
     assert mla_kernels.backend("cuda") == "cuda"
@@ -93,7 +101,6 @@ def test_grid(b, s_q, s_k, h_q, h_kv, varlen, causal, is_fp8_kvcache, cuda_gener
 @needs_hopper
 @pytest.mark.parametrize("page_size", [16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
 @pytest.mark.parametrize("h_q", [8, 16, 48])  # 16, 32 and 96 query rows per KV head
 def test_page_sizes_dtypes_and_fp8(page_size, dtype, is_fp8_kvcache, h_q, cuda_generator):
     seqlens = [*varlen_seqlens(6, 1000, 2, cuda_generator), 1, 63, 64, 65]
@@ -102,11 +109,11 @@ def test_page_sizes_dtypes_and_fp8(page_size, dtype, is_fp8_kvcache, h_q, cuda_g
 
 
 @needs_hopper
-@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
-def test_empty_and_short_sequences(is_fp8_kvcache, cuda_generator):
+@pytest.mark.parametrize("h_q", [4, 32])  # 16 and 128 query rows per KV head
+def test_empty_and_short_sequences(h_q, is_fp8_kvcache, cuda_generator):
     seqlens = [0, 3, 0, 1, 200, 0, 64, 2]
     case = decode_case(
-        seqlens, 4, 32, is_fp8_kvcache=is_fp8_kvcache, device="cuda", generator=cuda_generator
+        seqlens, 4, h_q, is_fp8_kvcache=is_fp8_kvcache, device="cuda", generator=cuda_generator
     )
     (out, lse), expected = run_both(case, causal=True)
     assert_close((out, lse), expected)
@@ -115,14 +122,20 @@ def test_empty_and_short_sequences(is_fp8_kvcache, cuda_generator):
 
 
 @needs_hopper
-def test_long_sequence(cuda_generator):
-    case = decode_case([131072, 5000], 1, 16, device="cuda", generator=cuda_generator)
+def test_long_sequence(is_fp8_kvcache, cuda_generator):
+    case = decode_case(
+        [131072, 5000],
+        1,
+        16,
+        is_fp8_kvcache=is_fp8_kvcache,
+        device="cuda",
+        generator=cuda_generator,
+    )
     assert_close(*run_both(case, causal=False))
 
 
 @needs_hopper
-@pytest.mark.parametrize("h_q", [16, 64])
-@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+@pytest.mark.parametrize("h_q", [8, 16, 64])  # 16, 32 and 128 query rows per KV head
 def test_cuda_graph_replay_matches_eager(h_q, is_fp8_kvcache, cuda_generator):
     case = decode_case(
         varlen_seqlens(16, 2000, 2, cuda_generator), 2, h_q, is_fp8_kvcache=is_fp8_kvcache,
@@ -156,7 +169,6 @@ def test_opcheck_cuda(cuda_generator):
 
 
 @needs_hopper
-@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
 @pytest.mark.parametrize(("s_q", "h_q"), [(1, 16), (2, 64)])  # FP8: the narrow and wide kernels
 def test_tokens_without_a_cache_block_are_not_attended(
     s_q, h_q, is_fp8_kvcache, missing_blocks_case, cuda_generator, oracle

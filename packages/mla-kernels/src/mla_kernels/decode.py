@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from mla_kernels import reference, scheduler
-from mla_kernels.extension import backend, load_extension
+from mla_kernels.extension import backend, fp8_in_registers, load_extension
 from mla_kernels.fp8_layout import FP8_CACHE_DTYPES, FP8_TOKEN_BYTES
 from mla_kernels.reference import HEAD_DIM, HEAD_DIM_V
 
@@ -122,7 +122,7 @@ def _mla_decode_cuda(*args):
     if backend(args[0].device) == "reference":
         return _reference_decode(*args)
     load_extension()
-    return torch.ops.mla_kernels_cuda.mla_decode(*args)
+    return torch.ops.mla_kernels_cuda.mla_decode(*args, fp8_in_registers())
 
 
 @mla_decode.register_fake

@@ -6,6 +6,12 @@ error where it cannot run). The kernel is compiled on first use with nvcc into
 `MLA_KERNELS_CACHE_DIR` (default `~/.cache/mla-kernels`), in a folder named by a hash of the
 sources, the flags and the torch/CUDA versions, so a build is reused until one of them changes.
 `load_sm90a_ops` is that build for any folder of sources; ref-server builds its GEMM with it.
+
+`MLA_KERNELS_FP8_IN_REGISTERS=1` (experimental, off by default) serves an FP8 cache with at most
+16 query rows per KV head by the kernel that dequantizes in its consumers' registers
+(`csrc/decode_kernel_fp8_registers.cuh`) instead of the one whose producer dequantizes into a
+bf16 stage. It is read at every call, so that tests and benchmarks can compare both in one
+process (a CUDA graph keeps the kernel it captured).
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ def requested_backend() -> str:
     if choice not in BACKENDS:
         raise ValueError(f"MLA_KERNELS_BACKEND={choice!r}; expected one of {', '.join(BACKENDS)}")
     return choice
+
+
+def fp8_in_registers() -> bool:
+    """Whether MLA_KERNELS_FP8_IN_REGISTERS selects the experimental narrow FP8 kernel."""
+    choice = os.environ.get("MLA_KERNELS_FP8_IN_REGISTERS", "0")
+    if choice not in ("0", "1"):
+        raise ValueError(f"MLA_KERNELS_FP8_IN_REGISTERS={choice!r}; expected 0 or 1")
+    return choice == "1"
 
 
 def backend(device: torch.device | str) -> str:

@@ -52,9 +52,12 @@ CUtensorMap cache_tensor_map(const at::Tensor& k_cache, int column_bytes, int bo
 }
 
 template <typename T>
-void launch(const DecodeParams& params, const CombineParams& combine, bool is_fp8, cudaStream_t stream) {
+void launch(const DecodeParams& params, const CombineParams& combine, bool is_fp8, bool fp8_in_registers,
+            cudaStream_t stream) {
   switch (narrow_rows(params.rows_per_kv, is_fp8)) {
-    case 16: run_decode<T, true, 16>(params, stream); break;
+    case 16:
+      fp8_in_registers ? run_decode_fp8_registers<T>(params, stream) : run_decode<T, true, 16>(params, stream);
+      break;
     default: is_fp8 ? run_decode<T, true, 0>(params, stream) : run_decode<T, false, 0>(params, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -68,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
                                               const at::Tensor& block_table, const at::Tensor& cache_seqlens,
                                               const at::Tensor& tile_scheduler_metadata,
                                               const at::Tensor& num_splits, double softmax_scale, bool causal,
-                                              bool is_fp8_kvcache) {
+                                              bool is_fp8_kvcache, bool fp8_in_registers) {
   for (const at::Tensor* t : {&q, &k_cache, &block_table, &cache_seqlens, &tile_scheduler_metadata, &num_splits}) {
     TORCH_CHECK(t->is_cuda() && t->device() == q.device(), "all mla_decode inputs must be on ", q.device());
     TORCH_CHECK(t->is_contiguous(), "mla_decode inputs must be contiguous");
@@ -115,16 +118,19 @@ std::tuple<at::Tensor, at::Tensor> mla_decode(const at::Tensor& q, const at::Ten
   if (is_fp8_kvcache) {
     params.fp8_latent_map = cache_tensor_map(k_cache, 4, kHeadDimV / 4, CU_TENSOR_MAP_SWIZZLE_NONE);
     params.fp8_scale_map = cache_tensor_map(k_cache, 4, kHeadDimV / 128, CU_TENSOR_MAP_SWIZZLE_NONE);
+    if (fp8_in_registers) {
+      params.fp8_latent_chunk_map = cache_tensor_map(k_cache, 4, 128 / 4, CU_TENSOR_MAP_SWIZZLE_128B);
+    }
   }
 
   CombineParams combine{batch,          s_q,        h_q, slots_per_piece, params.num_splits, params.out_accum,
                         params.lse_accum, params.out, params.lse};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (q.scalar_type() == at::kBFloat16) {
-    launch<__nv_bfloat16>(params, combine, is_fp8_kvcache, stream);
+    launch<__nv_bfloat16>(params, combine, is_fp8_kvcache, fp8_in_registers, stream);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kHalf, "q must be bfloat16 or float16");
-    launch<__half>(params, combine, is_fp8_kvcache, stream);
+    launch<__half>(params, combine, is_fp8_kvcache, fp8_in_registers, stream);
   }
   return {out, lse};
 }

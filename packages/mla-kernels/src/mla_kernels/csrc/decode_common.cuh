@@ -22,6 +22,8 @@ using cutlass::arch::ClusterTransactionBarrier;
 using cutlass::arch::NamedBarrier;
 
 constexpr int kConsumerThreads = 256;
+constexpr int kThreads = kConsumerThreads + 128;  // and a producer warpgroup
+constexpr uint32_t kLaunchRegisters = 65536 / kThreads / 8 * 8;  // 168
 constexpr int kStages = 2;
 constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
@@ -55,11 +57,11 @@ constexpr int shared_bytes() {
 // The swizzled tiles need 1024-byte alignment. Dynamic shared memory starts at the CTA's
 // shared window when there is no static shared memory, which is aligned; checked anyway,
 // because there is no room left to realign.
-template <typename T>
-__device__ __forceinline__ SharedStorage<T>& shared_storage() {
+template <typename T, typename Storage = SharedStorage<T>>
+__device__ __forceinline__ Storage& shared_storage() {
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_address(smem) % 1024 != 0) __trap();
-  return *reinterpret_cast<SharedStorage<T>*>(smem);
+  return *reinterpret_cast<Storage*>(smem);
 }
 
 // Where the accumulator fragments of a thread lie: rows `row` and `row + 8`, columns

@@ -19,9 +19,6 @@
 
 namespace mla {
 
-constexpr int kThreads = 384;
-constexpr uint32_t kLaunchRegisters = 65536 / kThreads / 8 * 8;  // 168
-
 template <typename T, bool kFp8, int kNarrow>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
   static_assert(kFp8 || kNarrow == 0, "the narrow consumers are built for an FP8 cache only");

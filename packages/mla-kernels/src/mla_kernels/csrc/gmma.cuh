@@ -44,6 +44,31 @@ __device__ __forceinline__ void gmma(uint64_t a_desc, uint64_t b_desc, float (&d
                   std::make_index_sequence<N / 2>{});
 }
 
+// The same with A, 64 x 16 and K-major, in registers: four pairs of T per thread, in the
+// PTX ISA's fragment layout for wgmma .m64nNk16 (see raw_tile_layout.h).
+template <typename T, int N>
+struct GmmaRegisterAOp;
+#define MLA_GMMA_RS_OP(T, N, NAME)                                                   \
+  template <>                                                                        \
+  struct GmmaRegisterAOp<T, N> {                                                     \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32##NAME##_RS<Major::K, Major::K>; \
+  };
+MLA_GMMA_RS_OP(__nv_bfloat16, 16, BF16BF16)
+MLA_GMMA_RS_OP(__half, 16, F16F16)
+#undef MLA_GMMA_RS_OP
+
+template <typename Op, int kRegs, size_t... I>
+__device__ __forceinline__ void gmma_rs_unpack(const uint32_t (&a)[4], uint64_t b, float (&d)[kRegs], ScaleOut scale,
+                                               std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., scale);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t b_desc, float (&d)[N / 2], bool accumulate) {
+  gmma_rs_unpack<typename GmmaRegisterAOp<T, N>::type>(a, b_desc, d, accumulate ? ScaleOut::One : ScaleOut::Zero,
+                                                       std::make_index_sequence<N / 2>{});
+}
+
 template <int kRegs>
 __device__ __forceinline__ void fence_accumulators(float (&d)[kRegs]) {
 #pragma unroll

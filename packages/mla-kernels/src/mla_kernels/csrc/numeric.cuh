@@ -49,6 +49,18 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 packed, float scale) {
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// Four e4m3 values (the bytes of `packed`, lowest first) as floats, exactly. The upper pair is
+// converted where it lies (F2FP's .H1 operand), not shifted down first.
+__device__ __forceinline__ float4 fp8x4_to_float4(uint32_t packed) {
+  uint32_t low, high;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}"
+      : "=r"(low), "=r"(high)
+      : "r"(packed));
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&low));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&high));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
 // Eight bf16 values as eight T.
 template <typename T>
 __device__ __forceinline__ uint4 bf16x8_to(uint4 packed) {

@@ -42,6 +42,9 @@ struct DecodeParams {
   // 512 e4m3 values), `fp8_scale_map` boxes of 4 (the scales, columns 128-131).
   CUtensorMap kv_tensor_map;
   CUtensorMap fp8_latent_map, fp8_scale_map;
+  // For the kernel that dequantizes in registers: the e4m3 values in 128-byte swizzled boxes of
+  // 32 32-bit columns (a quarter of a token's latent values each).
+  CUtensorMap fp8_latent_chunk_map;
 };
 
 struct CombineParams {
@@ -73,6 +76,11 @@ inline int narrow_rows(int rows_per_kv, bool is_fp8) { return is_fp8 && rows_per
 
 template <typename T, bool kFp8, int kNarrow>
 void run_decode(const DecodeParams& params, cudaStream_t stream);
+
+// Experimental: the narrow FP8 kernel (at most 16 query rows per KV head) that dequantizes in its
+// consumers' registers (decode_kernel_fp8_registers.cuh); it writes pieces as run_decode<T, true, 16>.
+template <typename T>
+void run_decode_fp8_registers(const DecodeParams& params, cudaStream_t stream);
 
 template <typename T>
 void run_combine(const CombineParams& params, cudaStream_t stream);
