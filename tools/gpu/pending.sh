@@ -19,11 +19,6 @@ export PYTHONUNBUFFERED=1 NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_M
 export MLA_KERNELS_CACHE_DIR=/tmp/mla-kernels EP_COMM_CACHE_DIR=/tmp/ep-comm
 export REF_SERVER_CACHE_DIR=/tmp/ref-server
 sources=$(printf "$root/packages/%s/src:" mla-kernels ep-comm overlap-sched ref-server)
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl || exit 100
-fi
-export PYTHONPATH=${sources}/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
 # What each stage checks, and why it is pending.
 declare -A PENDING=(
@@ -62,6 +57,11 @@ if [ $# -eq 0 ]; then
   for stage in "${!PENDING[@]}"; do echo "  $stage: ${PENDING[$stage]}"; done
   exit 2
 fi
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl || exit 100
+fi
+export PYTHONPATH=${sources}/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
