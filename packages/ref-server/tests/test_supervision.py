@@ -1,6 +1,7 @@
 """`--role all`'s ports and supervisor (CPU, real processes): a taken port is refused before
-anything starts, no server shares its port, readiness is asked of the supervisor's own child,
-and a process that keeps dying stops the deployment instead of restarting forever."""
+anything starts, no server shares its port, the HTTP port takes connections as soon as it is
+bound, readiness is asked of the supervisor's own child, and a process that keeps dying stops
+the deployment instead of restarting forever."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def test_a_router_does_not_share_a_port_that_another_server_listens_on():
         )  # fmt: skip
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in result.stderr
+
+
+def test_the_http_port_takes_connections_before_uvicorn_starts():
+    from ref_server.services.http_server import HttpServer
+
+    server = HttpServer(None, "127.0.0.1", 0, None, None)
+    try:
+        with socket.create_connection(server.socket.getsockname(), timeout=5):
+            pass  # queued in the backlog; refused before the port listened at bind time
+    finally:
+        server.socket.close()
 
 
 @pytest.fixture

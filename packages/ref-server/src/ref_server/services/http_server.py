@@ -188,6 +188,9 @@ class HttpServer(uvicorn.Server):
         except OSError as error:
             self.socket.close()
             raise OSError(f"cannot listen on {host}:{port} for HTTP: {error.strerror}") from None
+        # Listening now, not once uvicorn starts: the router says it serves before that, and a
+        # client that connects in between waits in the backlog instead of being refused.
+        self.socket.listen(self.config.backlog)
 
     async def serve(self, sockets=None) -> None:
         await super().serve(sockets=[self.socket])
