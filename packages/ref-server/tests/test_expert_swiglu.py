@@ -1,20 +1,24 @@
 """The experts' gate and up projections with SwiGLU's activation (`ref_server::expert_swiglu`):
-on the CPU, the reference against float64, fake shapes, opcheck and argument checks; fp8_gemm's
-Triton kernel with the activation in its epilogue through Triton's interpreter, bit for bit
-the unfused kernels and within float64's bounds; on the GPU (`gpu` marker), the CUDA
-implementation bit for bit the unfused operators and within float64's bounds at V2-Lite's and
-V3's expert shapes, in a CUDA graph replayed with new values, and opcheck."""
+on the CPU, the reference against float64, fake shapes, opcheck, argument checks, and the
+switch (REF_SERVER_FUSED_SWIGLU), with which the experts and an FP8 model give the same
+results as without; fp8_gemm's Triton kernel with the activation in its epilogue through
+Triton's interpreter, bit for bit the unfused kernels and within float64's bounds; on the GPU
+(`gpu` marker), the CUDA implementation bit for bit the unfused operators and within float64's
+bounds at V2-Lite's and V3's expert shapes, in a CUDA graph replayed with new values, opcheck,
+and V2-Lite's experts the same with the switch on and off."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import ref_server.model as M
 from ref_server.model import fp8_gemm
 from ref_server.model.activation_kernels import silu_mul, triton_silu_mul
 from ref_server.model.expert_gemm import expert_gemm
-from ref_server.model.expert_swiglu import expert_swiglu
+from ref_server.model.expert_swiglu import SWITCH, expert_swiglu, fused_by_environment
 from ref_server.model.fp8 import (
+    FP8Experts,
     dequantize_activations,
     dequantize_blocks,
     fp8_block_gemm,
@@ -22,6 +26,7 @@ from ref_server.model.fp8 import (
     quantize_blocks,
 )
 from ref_server.model.fp8_gemm import triton_block_gemm
+from ref_server.model.moe import Experts, RoutedExperts
 
 gpu = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -212,6 +217,78 @@ def test_bad_arguments_are_a_value_error_naming_the_problem(args, message):
         expert_swiglu(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in args))
 
 
+# ---- CPU: the switch ----
+
+
+def test_the_switch_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    assert not fused_by_environment()
+    for value, fused in (("0", False), ("1", True)):
+        monkeypatch.setenv(SWITCH, value)
+        assert fused_by_environment() is fused
+        assert M.from_preset("tiny").layers[1].mlp.experts.fused_swiglu is fused
+    monkeypatch.setenv(SWITCH, "yes")
+    with pytest.raises(ValueError, match="REF_SERVER_FUSED_SWIGLU must be 0 or 1, got 'yes'"):
+        M.from_preset("tiny")
+
+
+def count_calls(monkeypatch, *modules) -> list:
+    """A list that grows by one at each expert_swiglu call made through these modules."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return expert_swiglu(*args)
+
+    for module in modules:
+        monkeypatch.setattr(module, "expert_swiglu", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_switched_on_the_experts_give_the_same_results(dtype, monkeypatch):
+    """Grouped (the GPU's path, here on the CPU) and packed rows (low-latency decode)."""
+    from ref_server.model import moe
+
+    experts = M.from_preset("tiny", seed=5, dtype=dtype).layers[1].mlp.experts
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 64, generator=g).to(dtype)
+    ids = torch.randint(-1, 6, (37, 2), generator=g)
+    weights = torch.rand(37, 2, generator=g)
+    packed = torch.randn(8, 6, 64, generator=g).to(dtype)
+    counts = sizes_tensor([0, 6, 3, 1, 6, 2, 0, 5])
+    calls = count_calls(monkeypatch, moe)
+    results = []
+    for fused in (False, True):
+        experts.fused_swiglu = fused
+        grouped = experts.grouped(x, ids, weights)
+        results.append((grouped, experts.packed(packed, counts)))
+    assert len(calls) == 2
+    (grouped, packed_out), (fused_grouped, fused_packed) = results
+    assert torch.equal(fused_grouped, grouped)
+    for e, count in enumerate(counts.tolist()):
+        assert torch.equal(fused_packed[e, :count], packed_out[e, :count])
+
+
+def test_switched_on_an_fp8_model_gives_the_same_logits(monkeypatch):
+    """FP8 experts take the grouped path on the CPU; the tiny preset's inter (32) leaves 96
+    padding rows between gate and up."""
+    from ref_server.model import fp8
+
+    monkeypatch.delenv(SWITCH, raising=False)
+    off = M.from_preset("tiny", seed=6, weight_dtype="fp8")
+    monkeypatch.setenv(SWITCH, "1")
+    on = M.from_preset("tiny", seed=6, weight_dtype="fp8")
+    experts = [m for m in on.modules() if isinstance(m, RoutedExperts)]
+    assert len(experts) == 2 and all(e.fused_swiglu for e in experts)
+    calls = count_calls(monkeypatch, fp8)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want, got = off(ids), on(ids)
+    assert len(calls) == 2
+    assert torch.equal(got, want)
+
+
 # ---- the Triton kernel with the activation, through Triton's interpreter ----
 
 
@@ -345,6 +422,53 @@ def test_captured_in_a_cuda_graph_and_replayed_with_new_values():
 def test_opcheck_on_cuda(dtype):
     args = problem((9, 256), 3, 128, dtype, seed=3, device="cuda")
     opcheck(args, 128, sizes_tensor([3, 3, 9], "cuda"), None, torch.bfloat16)
+
+
+def v2_lite_experts(fp8: bool):
+    """V2-Lite's 64 routed experts of one layer, random, on the GPU (bf16 or FP8)."""
+    experts, hidden, inter = SHAPES[0]
+    g = torch.Generator("cuda").manual_seed(8)
+    weights = {
+        "gate_up_proj": torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda"),
+        "down_proj": torch.randn(experts, hidden, inter, generator=g, device="cuda"),
+    }
+    if fp8:  # (Module.to would cast the e4m3 buffers to the dtype too)
+        module = FP8Experts(experts, hidden, inter).to("cuda")
+    else:
+        module = Experts(experts, hidden, inter).to("cuda", torch.bfloat16)
+    for name, w in weights.items():
+        w /= w.shape[-1] ** 0.5
+        if fp8:
+            values, scales = quantize_blocks(w)
+            getattr(module, name).copy_(values)
+            getattr(module, name + "_scale_inv").copy_(scales)
+        else:
+            getattr(module, name).copy_(w)
+    return module
+
+
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@torch.no_grad()
+def test_switched_on_the_v2_lite_experts_give_the_same_results_on_cuda(fp8):
+    """Decode's grouped rows (16 tokens) and packed rows with counts: the same bits with the
+    switch on and off."""
+    experts = v2_lite_experts(fp8)
+    hidden, count = SHAPES[0][1], experts.num_experts
+    g = torch.Generator("cuda").manual_seed(7)
+    x = torch.randn(16, hidden, generator=g, device="cuda").bfloat16()
+    ids = torch.randint(-1, count, (16, 6), generator=g, device="cuda")
+    weights = torch.rand(16, 6, generator=g, device="cuda")
+    packed = torch.randn(count, 4, hidden, generator=g, device="cuda").bfloat16()
+    counts = torch.randint(0, 5, (count,), generator=g, device="cuda", dtype=torch.int32)
+    results = []
+    for fused in (False, True):
+        experts.fused_swiglu = fused
+        results.append((experts.grouped(x, ids, weights), experts.packed(packed, counts)))
+    (grouped, packed_out), (fused_grouped, fused_packed) = results
+    assert torch.equal(fused_grouped, grouped)
+    for e, rows in enumerate(counts.tolist()):
+        assert torch.equal(fused_packed[e, :rows], packed_out[e, :rows])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ kernel (decode: few rows an expert, or counts), that kernel computes gate and up
 writes only silu(gate) * up: one kernel and one round trip of the `[rows, 2 inter]` products
 fewer (`triton_block_gemm`'s swiglu_inter). Where they would not (many rows an expert:
 torch._grouped_mm or CUTLASS), the composition serves on CUDA too.
+
+`Experts` and `FP8Experts` take it where the environment variable REF_SERVER_FUSED_SWIGLU is 1
+when they are built; off by default, until measured on a GPU.
 """
 
 from __future__ import annotations
