@@ -28,6 +28,8 @@ import torch
 from ref_server.model.activation_kernels import silu_mul
 from ref_server.model.expert_gemm import expert_gemm, takes_triton
 from ref_server.model.fp8_gemm import (
+    FP8,
+    Layout,
     block_gemm,
     check_inputs,
     check_swiglu_rows,
@@ -98,14 +100,19 @@ def _(x, x_scales, w, w_scales, inter, offsets, counts, out_dtype):
     return x.new_empty(shape, dtype=out_dtype)
 
 
+def takes_fused_kernel(layout: Layout, dtype: torch.dtype, counted: bool) -> bool:
+    """Whether the CUDA implementation takes the fused Triton kernel for operands of dtype
+    (FP8: e4m3) in this layout (`check_swiglu`'s): where `expert_gemm` or `fp8_block_gemm`
+    would take the Triton kernel."""
+    if dtype == FP8:
+        return pick_backend(layout) == "triton"
+    return takes_triton(layout, dtype, counted)
+
+
 @expert_swiglu.register_kernel("cuda")
 def _(x, x_scales, w, w_scales, inter, offsets, counts, out_dtype):
     layout, _ = check_swiglu(x, x_scales, w, w_scales, inter, offsets, counts, out_dtype)
-    if x_scales is None:  # where expert_gemm and fp8_block_gemm take the Triton kernel
-        fused = takes_triton(layout, x.dtype, counts is not None)
-    else:
-        fused = pick_backend(layout) == "triton"
-    if not fused:
+    if not takes_fused_kernel(layout, x.dtype, counts is not None):
         return _expert_swiglu_reference(x, x_scales, w, w_scales, inter, offsets, counts, out_dtype)
     return triton_block_gemm(
         x, x_scales, w, w_scales, offsets, counts, out_dtype, layout=layout, swiglu_inter=inter
