@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ref_server.model as M
-from ref_server.model import fp8_gemm
+from ref_server.model import fp8, fp8_gemm, moe
 from ref_server.model.activation_kernels import silu_mul, triton_silu_mul
 from ref_server.model.expert_gemm import expert_gemm
 from ref_server.model.expert_swiglu import SWITCH, expert_swiglu, fused_by_environment
@@ -115,10 +115,16 @@ def sizes_tensor(sizes: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.int32, device=device)
 
 
+def offsets_and_counts(layout: str, sizes: list[int], device):
+    """The operators' (offsets, counts) arguments: grouped ends or batched counts."""
+    if layout == "grouped":
+        return sizes_tensor(sizes, device), None
+    return None, sizes_tensor(sizes, device)
+
+
 def call(op, args, inter, layout, sizes, out_dtype, device="cpu", **options):
     """op (expert_swiglu or triton_block_gemm, which takes options) in layout."""
-    offsets = sizes_tensor(sizes, device) if layout == "grouped" else None
-    counts = sizes_tensor(sizes, device) if layout == "batched" else None
+    offsets, counts = offsets_and_counts(layout, sizes, device)
     if op is triton_block_gemm:
         return op(*args, offsets, counts, out_dtype, swiglu_inter=inter, **options)
     x, x_scales, w, w_scales = args
@@ -128,8 +134,7 @@ def call(op, args, inter, layout, sizes, out_dtype, device="cpu", **options):
 def unfused(args, inter, layout, sizes, out_dtype, device="cpu", **options):
     """What the experts computed before: the gate+up GEMM, then silu_mul of its two parts
     (through the Triton kernels where options are given, else the operators)."""
-    offsets = sizes_tensor(sizes, device) if layout == "grouped" else None
-    counts = sizes_tensor(sizes, device) if layout == "batched" else None
+    offsets, counts = offsets_and_counts(layout, sizes, device)
     x, x_scales, w, w_scales = args
     if options:
         gate_up = triton_block_gemm(*args, offsets, counts, out_dtype, **options)
@@ -166,8 +171,7 @@ def test_the_fake_implementation_gives_the_output_shape():
         args = [
             None if t is None else t.to("meta") for t in problem(shape, experts, inter, dtype, 0)
         ]
-        sizes = sizes_tensor(sizes, "meta")
-        offsets, counts = (sizes, None) if layout == "grouped" else (None, sizes)
+        offsets, counts = offsets_and_counts(layout, sizes, "meta")
         out = expert_swiglu(*args[:4], inter, offsets, counts, out_dtype)
         assert out.device.type == "meta" and out.dtype == out_dtype
         assert out.shape == (*shape[:-1], inter)
@@ -248,8 +252,6 @@ def count_calls(monkeypatch, *modules) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_switched_on_the_experts_give_the_same_results(dtype, monkeypatch):
     """Grouped (the GPU's path, here on the CPU) and packed rows (low-latency decode)."""
-    from ref_server.model import moe
-
     experts = M.from_preset("tiny", seed=5, dtype=dtype).layers[1].mlp.experts
     g = torch.Generator().manual_seed(5)
     x = torch.randn(37, 64, generator=g).to(dtype)
@@ -261,8 +263,7 @@ def test_switched_on_the_experts_give_the_same_results(dtype, monkeypatch):
     results = []
     for fused in (False, True):
         experts.fused_swiglu = fused
-        grouped = experts.grouped(x, ids, weights)
-        results.append((grouped, experts.packed(packed, counts)))
+        results.append((experts.grouped(x, ids, weights), experts.packed(packed, counts)))
     assert len(calls) == 2
     (grouped, packed_out), (fused_grouped, fused_packed) = results
     assert torch.equal(fused_grouped, grouped)
@@ -273,8 +274,6 @@ def test_switched_on_the_experts_give_the_same_results(dtype, monkeypatch):
 def test_switched_on_an_fp8_model_gives_the_same_logits(monkeypatch):
     """FP8 experts take the grouped path on the CPU; the tiny preset's inter (32) leaves 96
     padding rows between gate and up."""
-    from ref_server.model import fp8
-
     monkeypatch.delenv(SWITCH, raising=False)
     off = M.from_preset("tiny", seed=6, weight_dtype="fp8")
     monkeypatch.setenv(SWITCH, "1")
