@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.fp8_gemm import UNSCALED_DTYPES, check_inputs, triton_block_gemm
+from ref_server.model.fp8_gemm import UNSCALED_DTYPES, Layout, check_inputs, triton_block_gemm
 
 # Rows per expert (on average) up to which the CUDA implementation takes the Triton kernel
 # (bench_expert_gemm.py on the H200: it is faster than CUTLASS's grouped GEMM below).
@@ -55,10 +55,16 @@ def _(x, w, offsets=None, counts=None):
     return x.new_empty(layout(x, w, offsets, counts).out_shape)
 
 
+def takes_triton(found: Layout, dtype: torch.dtype, counted: bool) -> bool:
+    """Whether the CUDA implementation multiplies operands of dtype in this layout (`layout`'s)
+    through the Triton kernel: bf16 or fp16, few rows an expert or counts given."""
+    few_rows = found.group_rows <= TRITON_MAX_GROUP_ROWS or counted
+    return dtype in UNSCALED_DTYPES and few_rows
+
+
 @expert_gemm.register_kernel("cuda")
 def _(x, w, offsets=None, counts=None):
     found = layout(x, w, offsets, counts)
-    few_rows = found.group_rows <= TRITON_MAX_GROUP_ROWS or counts is not None
-    if x.dtype in UNSCALED_DTYPES and few_rows:
+    if takes_triton(found, x.dtype, counts is not None):
         return triton_block_gemm(x, None, w, None, offsets, counts, x.dtype, layout=found)
     return _expert_gemm_reference(x, w, offsets, counts)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ep_comm.fp8 import AMAX_FLOOR, FP8_MAX
 from ref_server.model.activation_kernels import silu_mul_fp8
+from ref_server.model.expert_swiglu import expert_swiglu
 from ref_server.model.fp8_cast import cast_activations
 from ref_server.model.fp8_gemm import block_gemm
 from ref_server.model.layers import FusedLinear, RowParts
@@ -171,8 +172,15 @@ class FP8Experts(RoutedExperts):
             weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
             return fp8_block_gemm(*rows, weight, scales, offsets, dtype, counts)
 
-        gate, up = self.gate_up_parts.split(project(rows, "gate_up_proj"))
-        return project(silu_mul_fp8(gate, up), "down_proj")
+        if self.fused_swiglu:
+            w, scales = self.gate_up_proj, self.gate_up_proj_scale_inv
+            inter = self.down_proj.shape[-1]
+            hidden = quantize_activations(
+                expert_swiglu(*rows, w, scales, inter, offsets, counts, dtype)
+            )
+        else:
+            hidden = silu_mul_fp8(*self.gate_up_parts.split(project(rows, "gate_up_proj")))
+        return project(hidden, "down_proj")
 
     def zero_padding(self) -> None:
         """Zero gate_up_proj's rows between gate and up (see `FP8Linear.zero_padding`)."""

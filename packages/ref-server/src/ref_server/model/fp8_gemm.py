@@ -20,12 +20,14 @@ and runs the same main loop (wgmma on e4m3, one fp32 rescale per 128 channels); 
 output has too few tiles for the SMs (decode), programs split k and their fp32 partial sums
 are added after. Nothing waits for the device and no size depends on device values, so the
 operator can be captured in a CUDA graph (after one warm-up call, which compiles the kernel).
-Two more implementations serve on Hopper: torch's own `torch._scaled_mm` takes these scales
-for the dense layout (1x128 by 128x128 blockwise scaling, cuBLASLt 12.9 and later), and
-CUTLASS's grouped kernel (`cutlass_gemm`, built on first use) takes every layout into bf16.
-`backend` names one ("triton", "scaled_mm", "cutlass"), which runs where it takes the arguments
-(the Triton kernel elsewhere), or "auto": `pick_backend`'s choice, from
-benchmarks/bench_fp8_gemm.py's measurements.
+The same kernel also computes SwiGLU's gate and up products with the activation in its
+epilogue (`triton_block_gemm`'s swiglu_inter, for `expert_swiglu`). Two more implementations
+serve on Hopper: torch's own `torch._scaled_mm` takes these scales for the dense layout (1x128
+by 128x128 blockwise scaling, cuBLASLt 12.9 and later), and CUTLASS's grouped kernel
+(`cutlass_gemm`, built on first use) takes every layout into bf16. `backend` names one
+("triton", "scaled_mm", "cutlass"), which runs where it takes the arguments (the Triton kernel
+elsewhere), or "auto": `pick_backend`'s choice, from benchmarks/bench_fp8_gemm.py's
+measurements.
 
 k need not be a multiple of 128 (the last block is partial, its scale covering what there is).
 Rows past a batched expert's count, or past offsets[-1] in the grouped layout, come out
@@ -44,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from ref_server.model import cutlass_gemm
+from ref_server.model import activation_kernels, cutlass_gemm
 from ref_server.model.pdl import launch_options
 
 BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
@@ -296,6 +298,20 @@ def pick_split_k(tiles: int, k_blocks: int, sms: int) -> int:
     return max(fitting, default=1)
 
 
+def check_swiglu_rows(w_rows: int, inter: int, scaled: bool) -> None:
+    """ValueError unless experts' weights of w_rows rows each hold gate's inter rows first and
+    up's inter rows last (in FP8 from a row that starts a 128-row scale block)."""
+    if inter < 1 or 2 * inter > w_rows:
+        raise ValueError(
+            f"w has {w_rows} rows an expert: too few for gate's and up's {inter} rows each"
+        )
+    if scaled and (w_rows - inter) % BLOCK:
+        raise ValueError(
+            f"up's rows must start a {BLOCK}-row block of w_scales, but start at row "
+            f"{w_rows - inter} of {w_rows}"
+        )
+
+
 def triton_block_gemm(
     x: torch.Tensor,
     x_scales: torch.Tensor | None,
@@ -309,6 +325,7 @@ def triton_block_gemm(
     tma: bool | None = None,
     split_k: int | None = None,
     layout: Layout | None = None,
+    swiglu_inter: int | None = None,
 ) -> torch.Tensor:
     """`block_gemm` through the Triton kernel, any layout, on a CUDA device (or on the CPU with
     TRITON_INTERPRET=1). With x_scales and w_scales None, x and w are bf16 or fp16 (one dtype)
@@ -317,17 +334,31 @@ def triton_block_gemm(
     tiles through TMA descriptors (Hopper's bulk copies), the default where their alignment
     allows, or through masked pointer loads. split_k: how many ranges of k steps are summed by
     separate programs (into fp32 partial sums, then added up), `pick_split_k`'s by default.
-    layout: what `check_inputs` found for these arguments, from a caller that checked them."""
+    layout: what `check_inputs` found for these arguments, from a caller that checked them.
+
+    swiglu_inter: SwiGLU's gate and up projections with its activation (`expert_swiglu`): each
+    expert's rows of w are gate's swiglu_inter rows first and up's last (`check_swiglu_rows`),
+    and out `[..., swiglu_inter]` is `silu_mul(gate, up)` of the two products, each rounded to
+    out_dtype first as this kernel stores them. A program then covers half a tile's columns of
+    gate and the same of up, so that it keeps block_m x block_n accumulators as without; with
+    split k, the kernel that adds the partial sums applies the activation."""
     if layout is None:
         layout = check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype)
-    rows, n, k, groups = layout.rows, layout.n, layout.k, layout.groups
+    rows, w_rows, k, groups = layout.rows, layout.n, layout.k, layout.groups
     scaled = x_scales is not None
+    swiglu = swiglu_inter is not None
+    n = w_rows  # columns of out
+    if swiglu:
+        check_swiglu_rows(w_rows, swiglu_inter, scaled)
+        n = swiglu_inter
     config = config or pick_config(layout.group_rows, scaled)
     if BLOCK % config.block_n:
         raise ValueError(f"block_n must divide {BLOCK}, got {config.block_n}")
+    program_cols = config.block_n // 2 if swiglu else config.block_n  # out's, per program
+    out_shape = (*layout.out_shape[:-1], n)
     out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     if rows == 0 or n == 0 or groups == 0:
-        return out.view(layout.out_shape)
+        return out.view(out_shape)
     if not scaled and x.dtype not in UNSCALED_DTYPES:
         raise ValueError(f"the kernel takes unscaled operands in {UNSCALED_DTYPES}, got {x.dtype}")
     # FP8: one step per scale block; half precision: 64 channels, 128 bytes as FP8's 128
@@ -336,10 +367,10 @@ def triton_block_gemm(
     x = x.reshape(rows, k)
     if x.stride(1) != 1:
         x = x.contiguous()
-    w = w.reshape(groups * n, k).contiguous()
+    w = w.reshape(groups * w_rows, k).contiguous()
     if scaled:
         x_scales = x_scales.reshape(rows, blocks(k))
-        w_scales = w_scales.reshape(groups, blocks(n), blocks(k))
+        w_scales = w_scales.reshape(groups, blocks(w_rows), blocks(k))
     else:  # never read: any tensor with the strides' dims
         x_scales, w_scales = x.new_empty(0, 0, dtype=torch.float32), x.new_empty(0, 0, 0)
 
@@ -350,18 +381,20 @@ def triton_block_gemm(
         # Each group that holds rows may end in a partial tile, and at most `rows` groups hold
         # any: at a decode step's few rows, a tile row for every group left most programs idle.
         tile_rows += min(groups, rows)
-    tile_cols = -(-n // config.block_n)
+    tile_cols = -(-n // program_cols)
     if split_k is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
         split_k = pick_split_k(tile_rows * tile_cols, k_blocks, sms)
     if k_blocks % split_k:
         raise ValueError(f"split_k must divide the {k_blocks} blocks of k, got {split_k}")
-    partial = out if split_k == 1 else x.new_empty(split_k, rows, n, dtype=torch.float32)
+    partial = out
+    if split_k > 1:  # with swiglu, each row's gate columns, then its up columns
+        partial = x.new_empty(split_k, rows, 2 * n if swiglu else n, dtype=torch.float32)
 
     triton, kernel, sum_splits = _triton_kernels()
     size = x.element_size()
     aligned = all(t.data_ptr() % 16 == 0 for t in (x, w)) and x.stride(0) * size % 16 == 0
-    whole_tiles = rows >= config.block_m and groups * n >= config.block_n
+    whole_tiles = rows >= config.block_m and groups * w_rows >= program_cols
     fits = k >= block_k and k * size % 16 == 0 and whole_tiles
     if tma is None:
         tma = aligned and fits
@@ -375,8 +408,11 @@ def triton_block_gemm(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_in = TensorDescriptor.from_tensor(x, [config.block_m, block_k])
-        w_in = TensorDescriptor.from_tensor(w, [config.block_n, block_k])
+        w_in = TensorDescriptor.from_tensor(w, [program_cols, block_k])
     sizes = offsets if offsets is not None else counts
+    # the activation's exp is libdevice's on CUDA, linked without flushing subnormals to zero
+    # (as `activation_kernels` compiles it: torch's formula bit for bit)
+    activation = dict(SWIGLU=swiglu, LIBDEVICE=x.is_cuda, enable_reflect_ftz=False)
     kernel[(tile_rows * tile_cols * split_k,)](
         x_in,
         x_scales,
@@ -387,6 +423,7 @@ def triton_block_gemm(
         rows,
         n,
         k,
+        w_rows,
         layout.group_rows,
         groups,
         tile_rows,
@@ -400,6 +437,7 @@ def triton_block_gemm(
         COUNTS=counts is not None,
         TMA=tma,
         SCALED=scaled,
+        **activation,
         GROUPS=triton.next_power_of_2(max(groups, 2)),
         K_BLOCKS=k_blocks,
         BLOCK_K=block_k,
@@ -413,12 +451,20 @@ def triton_block_gemm(
     if split_k > 1:  # added in order in fp32, rounded once into out's dtype
         numel = rows * n
         sum_splits[(triton.cdiv(numel, SUM_BLOCK),)](
-            partial, out, numel, split_k, SUM_BLOCK, **launch_options(x.device)
+            partial,
+            out,
+            numel,
+            n,
+            SPLIT_K=split_k,
+            **activation,
+            BLOCK=SUM_BLOCK,
+            **launch_options(x.device),
         )
-    return out.view(layout.out_shape)
+    return out.view(out_shape)
 
 
 tl = None  # triton.language, once _triton_kernels() has imported it
+split_sum = None  # the jitted `_split_sum`, once _triton_kernels() has made it
 SUM_BLOCK = 1024  # outputs per program of `_sum_splits_kernel`
 
 
@@ -427,46 +473,69 @@ def _triton_kernels():
     """(triton, the compiled `_block_gemm_kernel` and `_sum_splits_kernel`): triton is imported
     here, on first use. Row counts are not specialized on (Triton would compile again for each
     new multiple of 16, say a decode batch size first seen after the warm-up)."""
-    global tl
+    global tl, split_sum
     import triton
     import triton.language as tl
 
+    activation_kernels._triton_kernels()  # which makes activation_kernels.silu_mul_tile
+    split_sum = triton.jit(_split_sum)
     unspecialized = ["rows", "group_rows", "groups", "tile_rows"]
     gemm = triton.jit(_block_gemm_kernel, do_not_specialize=unspecialized)
     return triton, gemm, triton.jit(_sum_splits_kernel, do_not_specialize=["numel"])
+
+
+def _split_sum(partial, index, inside, span, SPLIT_K: tl.constexpr):
+    """The sum over s of partial[s * span + index] (fp32), in order."""
+    total = tl.zeros(index.shape, dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(partial + split * span + index, mask=inside, other=0.0)
+    return total
 
 
 def _sum_splits_kernel(
     partial,
     out,
     numel,
+    n,  # out's columns
     SPLIT_K: tl.constexpr,
+    SWIGLU: tl.constexpr,  # partial's rows hold gate's n columns, then up's n
+    LIBDEVICE: tl.constexpr,  # exp as libdevice's expf (CUDA); else tl.exp (the interpreter)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     """out[i] = the sum over s of partial[s, i] (fp32 [SPLIT_K, numel]), in order, in fp32,
-    rounded once to out's dtype (torch.sum into a bf16 out ran as a bf16 reduction on the H200)."""
+    rounded once to out's dtype (torch.sum into a bf16 out ran as a bf16 reduction on the H200).
+    With SWIGLU, out[r, c] = silu_mul of the sums of gate's partial[s, r, c] and up's
+    partial[s, r, n + c] (fp32 [SPLIT_K, rows, 2 n]), each rounded to out's dtype."""
     if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = index < numel
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        total += tl.load(partial + split * numel + index, mask=inside, other=0.0)
-    tl.store(out + index, total.to(out.dtype.element_ty), mask=inside)
+    dtype = out.dtype.element_ty
+    if SWIGLU:
+        gate_at = index + index // n * n  # row r's gate column c, r * 2 n + c
+        span = 2 * numel.to(tl.int64)
+        gate = split_sum(partial, gate_at, inside, span, SPLIT_K).to(dtype)
+        up = split_sum(partial, gate_at + n, inside, span, SPLIT_K).to(dtype)
+        total = activation_kernels.silu_mul_tile(gate, up, LIBDEVICE)
+    else:
+        total = split_sum(partial, index, inside, numel, SPLIT_K)
+    tl.store(out + index, total.to(dtype), mask=inside)
 
 
 def _block_gemm_kernel(
     x,  # e4m3 (unscaled: bf16, fp16) [rows, k]: pointer, or TMA descriptor of [BLOCK_M, BLOCK_K]
     x_scales,  # fp32 [rows, ceil(k/128)] (SCALED)
-    w,  # as x, [groups * n, k]; pointer or TMA descriptor of [BLOCK_N, BLOCK_K] tiles
-    w_scales,  # fp32 [groups, ceil(n/128), ceil(k/128)] (SCALED)
+    w,  # as x, [groups * w_rows, k]; pointer or TMA descriptor of [COLS, BLOCK_K] tiles
+    w_scales,  # fp32 [groups, ceil(w_rows/128), ceil(k/128)] (SCALED)
     out,  # [rows, n], contiguous; with SPLIT_K > 1, fp32 [SPLIT_K, rows, n] partial sums
+    # (SWIGLU: [SPLIT_K, rows, 2 n], each row's gate columns, then its up columns)
     sizes,  # int32 [groups]: offsets (grouped) or counts (batched with COUNTS)
     rows,
-    n,
+    n,  # out's columns
     k,
+    w_rows,  # rows of each expert's w: n, or (SWIGLU) gate's n first and up's n last
     group_rows,  # rows of each expert (batched)
     groups,
     tile_rows,  # row tiles launched: every program is one (row tile, column tile)
@@ -480,13 +549,15 @@ def _block_gemm_kernel(
     COUNTS: tl.constexpr,
     TMA: tl.constexpr,
     SCALED: tl.constexpr,  # FP8 operands with their scales, or half-precision ones without
+    SWIGLU: tl.constexpr,  # out = silu_mul(x @ gate^T, x @ up^T), each rounded to out's dtype
+    LIBDEVICE: tl.constexpr,  # SWIGLU's exp: libdevice's expf (CUDA), or tl.exp (interpreter)
     GROUPS: tl.constexpr,  # a power of two >= groups
     K_BLOCKS: tl.constexpr,  # ceil(k / BLOCK_K); a constant, since Triton 3.6's interpreter
     # cannot loop to a run-time bound under numpy >= 2.4 (and a model has few values of k)
     BLOCK_K: tl.constexpr,  # channels per step: 128 (one scale block) when SCALED
     SPLIT_K: tl.constexpr,  # programs per output tile, each summing K_BLOCKS / SPLIT_K blocks
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # rows of w a program multiplies: with SWIGLU, half gate's, half up's
     PDL: tl.constexpr,  # programmatic dependent launch (pdl.py)
 ):
     if PDL:  # wait for the kernel before (pdl.py), then let the next one be scheduled
@@ -494,7 +565,8 @@ def _block_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     SWIZZLE: tl.constexpr = 8  # row tiles that sweep the columns together (L2 reuse of w)
     K_STEPS: tl.constexpr = K_BLOCKS // SPLIT_K
-    tile_cols = tl.cdiv(n, BLOCK_N)
+    COLS: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N  # out's columns a program takes
+    tile_cols = tl.cdiv(n, COLS)
     split = tl.program_id(0) // (tile_rows * tile_cols)
     pid = tl.program_id(0) % (tile_rows * tile_cols)
     band = pid // (SWIZZLE * tile_cols)
@@ -530,20 +602,26 @@ def _block_gemm_kernel(
     if start >= end:
         return
 
-    n_start = tile_n * BLOCK_N
+    n_start = tile_n * COLS
     row_ids = start + tl.arange(0, BLOCK_M)
-    col_ids = n_start + tl.arange(0, BLOCK_N)
+    col_ids = n_start + tl.arange(0, COLS)
     k_ids = tl.arange(0, BLOCK_K)
     row_ok = row_ids < end
     col_ok = col_ids < n
-    w_row = group * n + n_start
+    w_row = group * w_rows + n_start  # of gate's rows with SWIGLU
     x_scale_ptrs = x_scales + row_ids.to(tl.int64) * stride_xs_row
     w_scale_ptr = w_scales + group * stride_ws_group + (n_start // 128) * stride_ws_row
+    if SWIGLU:  # up's rows, w_rows - n after gate's
+        up_row = w_row + w_rows - n
+        up_scale_ptr = w_scale_ptr + (w_rows - n) // 128 * stride_ws_row
     if not TMA:
         k_first = split * K_STEPS * BLOCK_K + k_ids
         x_ptrs = x + row_ids.to(tl.int64)[:, None] * stride_x + k_first[None, :]
-        w_ptrs = w + (w_row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None] * k + k_first[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_ptrs = w + (w_row + tl.arange(0, COLS)).to(tl.int64)[:, None] * k + k_first[None, :]
+        if SWIGLU:
+            up_ptrs = w + (up_row + tl.arange(0, COLS)).to(tl.int64)[:, None] * k + k_first[None, :]
+    acc = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # gate's with SWIGLU
+    up = tl.zeros((BLOCK_M, COLS), dtype=tl.float32)  # up's with SWIGLU (unused without)
     for step in range(K_STEPS):
         kb = split * K_STEPS + step
         # TMA fills past x's and w's bounds with zeros; rows of the next expert that a tile
@@ -551,18 +629,41 @@ def _block_gemm_kernel(
         if TMA:
             a = x.load([start, kb * BLOCK_K])
             b = w.load([w_row, kb * BLOCK_K])
+            if SWIGLU:
+                b_up = w.load([up_row, kb * BLOCK_K])
         else:
             k_ok = k_ids < k - kb * BLOCK_K
             a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+            if SWIGLU:
+                b_up = tl.load(up_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                up_ptrs += BLOCK_K
         if SCALED:
             a_scale = tl.load(x_scale_ptrs + kb * stride_xs_k, mask=row_ok, other=0.0)
             b_scale = tl.load(w_scale_ptr + kb * stride_ws_k)
             acc += tl.dot(a, b.T) * (a_scale[:, None] * b_scale)
+            if SWIGLU:
+                up_scale = tl.load(up_scale_ptr + kb * stride_ws_k)
+                up += tl.dot(a, b_up.T) * (a_scale[:, None] * up_scale)
         else:
             acc = tl.dot(a, b.T, acc)
+            if SWIGLU:
+                up = tl.dot(a, b_up.T, up)
 
-    out_ptrs = out + (split * rows + row_ids).to(tl.int64)[:, None] * n + col_ids[None, :]
-    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    dtype = out.dtype.element_ty
+    width = 2 * n if SWIGLU and SPLIT_K > 1 else n  # of out's rows
+    out_ptrs = out + (split * rows + row_ids).to(tl.int64)[:, None] * width + col_ids[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if not SWIGLU:
+        tl.store(out_ptrs, acc.to(dtype), mask=mask)
+    elif SPLIT_K == 1:
+        tl.store(
+            out_ptrs,
+            activation_kernels.silu_mul_tile(acc.to(dtype), up.to(dtype), LIBDEVICE),
+            mask=mask,
+        )
+    else:  # fp32 partial sums; `_sum_splits_kernel` applies the activation
+        tl.store(out_ptrs, acc, mask=mask)
+        tl.store(out_ptrs + n, up, mask=mask)

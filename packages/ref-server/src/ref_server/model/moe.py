@@ -19,6 +19,7 @@ from ref_server.model.expert_gemm import expert_gemm
 from ref_server.model.expert_location import ExpertLocation
 from ref_server.model.expert_parallel import Dispatched, Packed
 from ref_server.model.expert_sort import moe_sort_by_expert_and_gather
+from ref_server.model.expert_swiglu import expert_swiglu, fused_by_environment
 from ref_server.model.layers import MLP, RowParts
 from ref_server.model.router_kernels import moe_route
 
@@ -102,7 +103,9 @@ def _weighted_sum_fake(y, rows, weights):
 class RoutedExperts(nn.Module):
     """What the layouts of a rank's routed experts share: the rows of each expert gathered for
     grouped GEMMs (`grouped`) or given in fixed-shape blocks (`packed`), around `mlp`, each
-    expert's SwiGLU MLP, which `Experts` (bf16 or fp32) and `FP8Experts` define."""
+    expert's SwiGLU MLP, which `Experts` (bf16 or fp32) and `FP8Experts` define. With
+    `fused_swiglu` (REF_SERVER_FUSED_SWIGLU=1 when they are built), mlp computes gate, up and
+    silu(gate) * up in one operator (`expert_swiglu`), whose result is the same."""
 
     # Whether `packed` takes a low-latency dispatch's FP8 rows (values, scales) as they arrive.
     takes_fp8_rows = False
@@ -110,6 +113,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.fused_swiglu = fused_by_environment()
 
     def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
         """Rows through their experts: x `[m, hidden]` grouped by expert, group g ending at row
@@ -167,8 +171,12 @@ class Experts(RoutedExperts):
         return moe_weighted_sum(y, rows, weights.float())
 
     def mlp(self, x: torch.Tensor, offsets=None, counts=None) -> torch.Tensor:
-        gate, up = expert_gemm(x, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
-        return expert_gemm(silu_mul(gate, up), self.down_proj, offsets, counts)
+        w, inter = self.gate_up_proj, self.down_proj.shape[-1]
+        if self.fused_swiglu:
+            hidden = expert_swiglu(x, None, w, None, inter, offsets, counts, x.dtype)
+        else:
+            hidden = silu_mul(*expert_gemm(x, w, offsets, counts).chunk(2, dim=-1))
+        return expert_gemm(hidden, self.down_proj, offsets, counts)
 
 
 class MoE(nn.Module):
