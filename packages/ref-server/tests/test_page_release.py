@@ -13,12 +13,18 @@ import threading
 import time
 from types import SimpleNamespace
 
+import grpc
+import pytest
+
 import ref_server.model as M
-from ref_server.engine import Engine
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.services import engine_loop
 from ref_server.services.deployment import free_port
+from ref_server.services.engine_loop import EngineLoop
 from ref_server.services.kv_transfer import KvPuller
 from ref_server.services.metrics import Metrics
 from ref_server.services.router import Limits, RequestError, Router
+from ref_server.services.security import internal_channel
 from ref_server.services.servers import (
     model_args,
     model_facts,
@@ -28,6 +34,7 @@ from ref_server.services.servers import (
 )
 from ref_server.services.workers import Expected, WorkerPool
 from ref_server.v1 import serving_pb2 as pb
+from ref_server.v1 import serving_pb2_grpc as rpc
 
 SEED = 4
 SECRET = "page-release-test"
@@ -236,3 +243,48 @@ def test_an_abort_at_any_stage_frees_every_page_within_2_s(serving, monkeypatch)
             await freed(stack.prefill, stack.decode)
 
     asyncio.run(run())
+
+
+def test_a_release_before_the_prompt_is_held_frees_its_pages_as_it_finishes(serving):
+    """A Prefill whose Release comes while its prompt is still computed (its cancel lost or
+    overtaken): the Release finds nothing held (NOT_FOUND), and the pages are freed as the
+    prompt finishes (the call ends ABORTED), not when their 60 s lease runs out."""
+
+    async def run() -> None:
+        async with deployment(serving) as stack:
+            go = stall(stack.prefill, after=1)
+            async with internal_channel(stack.prefill_address, SECRET) as channel:
+                request = pb.PrefillRequest(
+                    request_id="early", token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=4)
+                )
+                call = rpc.PrefillStub(channel).Prefill(request, timeout=30)
+                await until(lambda: pages(stack.prefill)["running"], 10, "the prompt computed")
+                with pytest.raises(grpc.aio.AioRpcError) as release:
+                    await rpc.KvTransferStub(channel).Release(
+                        pb.ReleaseRequest(kv_handle="early"), timeout=10
+                    )
+                assert release.value.code() == grpc.StatusCode.NOT_FOUND
+                go.set()
+                await freed(stack.prefill)
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await call
+                assert ended.value.code() == grpc.StatusCode.ABORTED
+
+    asyncio.run(run())
+
+
+def test_releases_that_found_nothing_are_remembered_within_bounds(serving, monkeypatch):
+    """At most RELEASED_KEPT ids (the oldest forgotten first), each for hold_seconds."""
+    monkeypatch.setattr(engine_loop, "RELEASED_KEPT", 5)
+    engine = Engine(
+        M.from_preset("tiny", seed=SEED),
+        SchedulerConfig(num_blocks=8, block_size=16, max_model_len=128),
+    )
+    loop = EngineLoop(engine, hold_seconds=0.5)
+    try:
+        ids = [f"unknown-{i}" for i in range(8)]
+        assert [loop.release(i).result(timeout=10) for i in ids] == [False] * 8
+        assert list(loop.released) == ids[3:]
+        serving.wait_until(lambda: not loop.released, 2, "the releases forgotten")
+    finally:
+        loop.stop()
