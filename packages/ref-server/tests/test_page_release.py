@@ -288,3 +288,49 @@ def test_releases_that_found_nothing_are_remembered_within_bounds(serving, monke
         serving.wait_until(lambda: not loop.released, 2, "the releases forgotten")
     finally:
         loop.stop()
+
+
+def test_an_engine_wide_abort_frees_pages_being_written_only_once_the_write_ended(
+    serving, monkeypatch
+):
+    """A decode step fails (injected) while one request decodes and another's KV is being
+    written into its reserved pages on a worker thread: both requests fail with the step's
+    error; the pages being written stay allocated until the write has ended (freed, they could
+    go to another request and be overwritten), then every page is free within 2 s."""
+
+    async def run() -> None:
+        async with deployment(serving) as stack:
+            router, decode = stack.router, stack.decode
+            step, failing = decode.step, threading.Event()
+
+            def step_or_fail():
+                if failing.is_set():
+                    failing.clear()
+                    raise RuntimeError("injected")
+                return step()
+
+            monkeypatch.setattr(decode, "step", step_or_fail)
+            decoding = asyncio.create_task(
+                events_of(router, submission(router, "decoding", 480, prompt=[5, 6]))
+            )
+            await until(lambda: pages(decode)["running"], 10, "a request decoding")
+            write = held_at(KvPuller, "_write", monkeypatch)
+            written = asyncio.create_task(events_of(router, submission(router, "written", 8)))
+            try:
+                await asyncio.to_thread(write.reached.wait, 10)
+                blocks = list(write.args[2].values())
+                failing.set()
+                failed = await decoding
+                assert isinstance(failed[-1], RequestError), failed[-1]
+                assert "engine step failed: RuntimeError: injected" in failed[-1].message
+                await asyncio.sleep(0.2)  # a request that came now would get freed pages
+                assert [decode.scheduler.blocks.ref_count[b] for b in blocks] == [1] * 4
+                assert len(decode.scheduler.reserved) == 1
+            finally:
+                write.go.set()
+            failed = await written
+            assert isinstance(failed[-1], RequestError), failed[-1]
+            assert "engine step failed: RuntimeError: injected" in failed[-1].message
+            await freed(stack.prefill, stack.decode)
+
+    asyncio.run(run())

@@ -12,6 +12,10 @@ when it runs out. So pages are never reused while their lease holds. A `release`
 nothing held is remembered for `hold_seconds` (at most RELEASED_KEPT ids): should the request
 finish after it (its cancel overtaken by the release), its pages are freed at once.
 
+A decode request's pages are written by its KV pull while it is reserved: only its own call's
+`cancel`, once the pull has ended, frees them (an engine-wide abort ends the request but leaves
+them reserved, and `start` then refuses it).
+
 The ranks of an expert-parallel instance step in lockstep: every MoE layer of a step is a
 collective of all of them. Before each step they agree (an all-reduce over the instance's
 group) on the readiest rank's state; a rank without sequences then runs an idle step. When an
@@ -145,6 +149,17 @@ class EngineLoop:
 
         return self.submit(end)
 
+    def start(self, request_id: str) -> Future:
+        """A reserved request whose KV has arrived joins the batch; KeyError when it ended
+        meanwhile (its pages stay reserved until `cancel`)."""
+
+        def run(engine):
+            if request_id not in self.sinks:
+                raise KeyError(request_id)
+            return engine.start(request_id)
+
+        return self.submit(run)
+
     def stop(self) -> None:
         self.stopped = True
         self.commands.put((None, None))
@@ -265,8 +280,11 @@ class EngineLoop:
                 self._end(seq.request_id, ("done", seq.finish_reason))
 
     def _abort_all(self, message: str) -> None:
+        """End every request with `message` and free its pages, but a reserved one's: its
+        pull may still be writing them (its call frees them once the pull has ended)."""
         for request_id in list(self.sinks):
-            self.engine.abort(request_id)
+            if request_id not in self.engine.scheduler.reserved:
+                self.engine.abort(request_id)
             self._end(request_id, ("error", message))
 
     def _rebuild(self, failure: EPCommError) -> None:
