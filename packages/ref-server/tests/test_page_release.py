@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -21,10 +22,11 @@ from ref_server.engine import Engine, SchedulerConfig
 from ref_server.services import engine_loop
 from ref_server.services.deployment import free_port
 from ref_server.services.engine_loop import EngineLoop
+from ref_server.services.http_server import HttpServer, create_app
 from ref_server.services.kv_transfer import KvPuller
 from ref_server.services.metrics import Metrics
 from ref_server.services.router import Limits, RequestError, Router
-from ref_server.services.security import internal_channel
+from ref_server.services.security import ApiKeys, internal_channel
 from ref_server.services.servers import (
     model_args,
     model_facts,
@@ -44,9 +46,10 @@ PROMPT = list(range(3, 67))  # 64 tokens: four pages of 16, prefilled in four st
 
 
 @contextlib.asynccontextmanager
-async def deployment(serving, **overrides):
-    """A prefill and a decode instance and a router on them, in this event loop: yields the
-    router, both engines and the prefill instance's address."""
+async def deployment(serving, http: bool = False, **overrides):
+    """A prefill and a decode instance and a router on them, in this event loop (with http, the
+    router's HTTP API too): yields the router, both engines, the prefill instance's address and
+    the HTTP API's."""
     config = serving.config(max_num_batched_tokens=16, **overrides)
     stop, engines, addresses, instances = asyncio.Event(), {}, {}, []
     for role in ("prefill", "decode"):
@@ -70,17 +73,29 @@ async def deployment(serving, **overrides):
         on_update=lambda: None,
         interval=config.health_interval_s,
     )
-    router = Router(pool, facts, tokenizer, Metrics(), Limits(max_inflight=config.max_inflight))
+    metrics = Metrics()
+    router = Router(pool, facts, tokenizer, metrics, Limits(max_inflight=config.max_inflight))
+    server = serving_http = None
     try:
         await pool.start()
         await until(lambda: not pool.problem, 30, "the router sees both instances")
+        if http:
+            keys = ApiKeys(frozenset())
+            app = create_app(router, keys, lambda: True, metrics, config.max_request_bytes)
+            server = HttpServer(app, "127.0.0.1", config.http_port, None, None)
+            serving_http = asyncio.create_task(server.serve())
+            await until(lambda: server.started, 10, "the HTTP server listening")
         yield SimpleNamespace(
             router=router,
             prefill=engines["prefill"],
             decode=engines["decode"],
             prefill_address=addresses["prefill"],
+            http_address=f"127.0.0.1:{config.http_port}",
         )
     finally:
+        if server is not None:
+            server.should_exit = True
+            await serving_http
         await router.close()
         await pool.close()
         stop.set()
@@ -332,5 +347,33 @@ def test_an_engine_wide_abort_frees_pages_being_written_only_once_the_write_ende
             assert isinstance(failed[-1], RequestError), failed[-1]
             assert "engine step failed: RuntimeError: injected" in failed[-1].message
             await freed(stack.prefill, stack.decode)
+
+    asyncio.run(run())
+
+
+def test_a_streamed_http_request_whose_client_leaves_before_its_first_token_ends(serving):
+    """The client closes its connection while the prompt is computed (no event yet, so no
+    response has begun): the request ends and its pages are free within 2 s."""
+
+    async def run() -> None:
+        async with deployment(serving, http=True) as stack:
+            go = stall(stack.prefill, after=1)  # the prompt's pages taken, no first token
+            try:
+                host, port = stack.http_address.split(":")
+                _, writer = await asyncio.open_connection(host, int(port))
+                body = json.dumps(dict(prompt=PROMPT, max_tokens=8, stream=True)).encode()
+                head = (
+                    "POST /v1/completions HTTP/1.1\r\nhost: test\r\n"
+                    f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+                )
+                writer.write(head.encode() + body)
+                await writer.drain()
+                await until(lambda: pages(stack.prefill)["running"], 10, "the prompt computed")
+                writer.close()
+                await writer.wait_closed()
+                await freed(stack.prefill, stack.decode)
+                assert not stack.router.inflight
+            finally:
+                go.set()
 
     asyncio.run(run())
