@@ -8,7 +8,13 @@ load snapshot (`load`, read without waiting), and frees held KV pages whose leas
 
 A prefill instance holds a finished request's pages under a lease of `hold_seconds`: `extend`
 renews it (a decode instance is copying), `release` ends it, and the loop frees the pages
-when it runs out. So pages are never reused while their lease holds.
+when it runs out. So pages are never reused while their lease holds. A `release` that finds
+nothing held is remembered for `hold_seconds` (at most RELEASED_KEPT ids): should the request
+finish after it (its cancel overtaken by the release), its pages are freed at once.
+
+A decode request's pages are written by its KV pull while it is reserved: only its own call's
+`cancel`, once the pull has ended, frees them (an engine-wide abort ends the request but leaves
+them reserved, and `start` then refuses it).
 
 The ranks of an expert-parallel instance step in lockstep: every MoE layer of a step is a
 collective of all of them. Before each step they agree (an all-reduce over the instance's
@@ -24,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -34,6 +41,7 @@ from ep_comm import EPCommError
 from ref_server.engine import Engine, FinishReason, Status
 
 IDLE, BLOCKED, RUNNABLE = 0, 1, 2  # no requests; requests waiting on held pages; work to run
+RELEASED_KEPT = 16384  # ids of releases that found nothing held, remembered at most
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,7 @@ class EngineLoop:
         self.commands: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable[[tuple], None]] = {}
         self.leases: dict[str, float] = {}  # held request -> when its pages are freed
+        self.released: OrderedDict[str, float] = OrderedDict()  # nothing held -> kept until
         self.load = self._load()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -125,13 +134,31 @@ class EngineLoop:
 
     def release(self, request_id: str) -> Future:
         """End a held request's lease and free its pages; False if none was held (it ran out,
-        or was released or aborted)."""
+        or was released or aborted, or it has not finished yet: then its pages are freed as
+        it finishes)."""
 
         def end(engine):
             self.leases.pop(request_id, None)
-            return engine.release(request_id)
+            if engine.release(request_id):
+                return True
+            self.released[request_id] = time.monotonic() + self.hold_seconds
+            self.released.move_to_end(request_id)
+            if len(self.released) > RELEASED_KEPT:
+                self.released.popitem(last=False)
+            return False
 
         return self.submit(end)
+
+    def start(self, request_id: str) -> Future:
+        """A reserved request whose KV has arrived joins the batch; KeyError when it ended
+        meanwhile (its pages stay reserved until `cancel`)."""
+
+        def run(engine):
+            if request_id not in self.sinks:
+                raise KeyError(request_id)
+            return engine.start(request_id)
+
+        return self.submit(run)
 
     def stop(self) -> None:
         self.stopped = True
@@ -161,7 +188,7 @@ class EngineLoop:
             torch.cuda.set_device(device)
         while not self.stopped:
             self._run_commands(wait=False)
-            self._expire_leases()
+            self._expire()
             try:
                 readiest = self._agree(self._readiness())
             except Exception as error:  # a peer rank died or stopped answering
@@ -241,6 +268,10 @@ class EngineLoop:
         for seq in updated:
             sink = self.sinks.get(seq.request_id)
             if seq.request_id in self.engine.scheduler.held:  # the lease starts as it finishes
+                if self.released.pop(seq.request_id, None) is not None:  # its Release came
+                    self.engine.release(seq.request_id)
+                    self._end(seq.request_id, ("done", FinishReason.ABORT))
+                    continue
                 self.leases[seq.request_id] = now + self.hold_seconds
             if sink is None:
                 continue
@@ -249,8 +280,11 @@ class EngineLoop:
                 self._end(seq.request_id, ("done", seq.finish_reason))
 
     def _abort_all(self, message: str) -> None:
+        """End every request with `message` and free its pages, but a reserved one's: its
+        pull may still be writing them (its call frees them once the pull has ended)."""
         for request_id in list(self.sinks):
-            self.engine.abort(request_id)
+            if request_id not in self.engine.scheduler.reserved:
+                self.engine.abort(request_id)
             self._end(request_id, ("error", message))
 
     def _rebuild(self, failure: EPCommError) -> None:
@@ -269,9 +303,12 @@ class EngineLoop:
             return
         log.warning("rebuilt the expert-parallel exchange: serving again")
 
-    def _expire_leases(self) -> None:
+    def _expire(self) -> None:
+        """Free the held pages whose lease ran out; forget releases kept long enough."""
         now = time.monotonic()
         for request_id, deadline in list(self.leases.items()):
             if deadline <= now:
                 self.engine.release(request_id)
                 del self.leases[request_id]
+        while self.released and next(iter(self.released.values())) <= now:
+            self.released.popitem(last=False)

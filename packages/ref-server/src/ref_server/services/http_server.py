@@ -4,7 +4,9 @@
 /v1/models`, `GET /health`, `GET /metrics`, `GET /version`. Errors have OpenAI's shape: 400 for
 bad input, 401 without a good API key, 404 for another model or path, 413 for a body over the
 limit, 429 when the router is full, 503 when no instance can serve, 504 past the router's
-ceiling. A client that disconnects aborts its requests, which frees their pages.
+ceiling. A client that disconnects aborts its requests, which frees their pages: it is looked
+for every DISCONNECT_POLL_S until the response is ready or, streamed, its first event is (then
+the streaming response watches for it).
 """
 
 from __future__ import annotations
@@ -119,23 +121,40 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
         echo = [router.tokenizer.decode(p) for p in prompts] if echoed else None
         if body.stream:
             events = api.events(submissions)
-            first = await anext(events)  # a refusal gets its status (429, 503), not a 200
-            if isinstance(first[1], RequestError):
-                await events.aclose()
-                return error_response(first[1])
+            # the first event before the 200, so that a refusal gets its status (429, 503)
+            first = await while_connected(request, anext(events))
+            if first is GONE or isinstance(first[1], RequestError):
+                await events.aclose()  # ends every choice's request
+                return Response(status_code=499) if first is GONE else error_response(first[1])
             usage = bool((body.stream_options or {}).get("include_usage"))
             chunks = stream(api, first, events, prompts, body.n, head, echo, usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
-        collect = asyncio.create_task(collected(api, submissions, prompts, body.n, head, echo))
-        while not (await asyncio.wait({collect}, timeout=0.25))[0]:
-            if await request.is_disconnected():  # nobody will read it: free the pages now
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-                return Response(status_code=499)
-        return collect.result()
+        response = await while_connected(
+            request, collected(api, submissions, prompts, body.n, head, echo)
+        )
+        return Response(status_code=499) if response is GONE else response
 
     return app
+
+
+GONE = object()  # what while_connected gives when the client has gone
+DISCONNECT_POLL_S = 0.25
+
+
+async def while_connected(request: Request, awaitable):
+    """awaitable's result, or GONE once the client has disconnected: then it is cancelled,
+    which ends its requests and frees their pages (nobody will read them)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                return GONE
+        return task.result()
+    finally:
+        if not task.done():  # the client has gone, or the server is stopping
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 class BodyLimit:

@@ -215,9 +215,10 @@ class DecodeService(rpc.DecodeServicer):
         try:
             method = await self._pull(request, targets, context)
             try:
-                await asyncio.wrap_future(self.loop.submit(lambda e: e.start(request_id)))
-            except KeyError:  # the engine ended it meanwhile (a failed step)
-                await context.abort(grpc.StatusCode.ABORTED, "the request ended as its KV came")
+                await asyncio.wrap_future(self.loop.start(request_id))
+            except KeyError:  # the engine ended it meanwhile (a failed step): its error says why
+                _, why = await events.get()
+                await context.abort(grpc.StatusCode.INTERNAL, why)
             yield pb.DecodeResponse(kv_transfer=method)
             while not finished:
                 batch = await events.batch()

@@ -12,9 +12,10 @@ at most `queue_timeout_s` and never past their KV's lease. Without a client dead
 request runs up to `request_timeout_s`.
 
 However a request ends (finish, stop string, Abort, a client gone, deadline, error, at any
-stage), its task's `finally` releases its KV at the prefill instance and the cancelled calls
-free its pages at the instances; the instances' ids are the router's own (a fresh one per
-request), so a client reusing an id can never touch another request's pages.
+stage, even before its task began), the end of its task releases its KV at the prefill
+instance and the calls it cancels free its pages at the instances; the instances' ids are the
+router's own (a fresh one per request), so a client reusing an id can never touch another
+request's pages.
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ class Router:
         self.metrics.inflight.set(len(self.inflight))
         events: asyncio.Queue = asyncio.Queue()
         flight.task = asyncio.create_task(self._run(flight, events))
+        flight.task.add_done_callback(lambda _: self._ended(flight, events))
         try:
             while True:
                 for event in _merged(await drained(events)):
@@ -269,10 +271,7 @@ class Router:
             self.metrics.requests.labels("ok").inc()
             events.put_nowait(Finished(finish, self._usage(flight)))
         except asyncio.CancelledError:
-            self.metrics.aborts.labels(flight.stage).inc()
-            self.metrics.requests.labels("abort" if flight.aborted else "cancelled").inc()
-            if flight.aborted:
-                events.put_nowait(Finished(pb.FINISH_REASON_ABORT, self._usage(flight)))
+            self._cancelled(flight, events)
         except RequestError as error:
             self.metrics.requests.labels(error.code.name.lower()).inc()
             events.put_nowait(error)
@@ -280,14 +279,25 @@ class Router:
             log.exception("request %s failed", flight.internal_id)
             self.metrics.requests.labels("internal").inc()
             events.put_nowait(RequestError(grpc.StatusCode.INTERNAL, one_line(error)))
-        finally:
-            # whatever the decode instance did, and even if a cancel overtook the prefill's
-            # answer, nothing stays held
-            for worker in flight.prefills:
-                background(self._release(worker, flight.internal_id))
-            del self.inflight[(submission.owner, submission.request_id)]
-            self.metrics.inflight.set(len(self.inflight))
-            events.put_nowait(None)
+
+    def _cancelled(self, flight: Flight, events: asyncio.Queue) -> None:
+        self.metrics.aborts.labels(flight.stage).inc()
+        self.metrics.requests.labels("abort" if flight.aborted else "cancelled").inc()
+        if flight.aborted:
+            events.put_nowait(Finished(pb.FINISH_REASON_ABORT, self._usage(flight)))
+
+    def _ended(self, flight: Flight, events: asyncio.Queue) -> None:
+        """However the request's task ended, even cancelled before it began (then `_run` never
+        ran): its KV is released at every prefill instance asked (whatever the decode instance
+        did, and even if a cancel overtook the prefill's answer), its slot freed, its events
+        ended."""
+        if flight.task.cancelled():
+            self._cancelled(flight, events)
+        for worker in flight.prefills:
+            background(self._release(worker, flight.internal_id))
+        del self.inflight[(flight.submission.owner, flight.submission.request_id)]
+        self.metrics.inflight.set(len(self.inflight))
+        events.put_nowait(None)
 
     def _tokens(self, flight: Flight, text: TextStream, events, token_ids: list[int]) -> None:
         flight.completion += token_ids
@@ -330,11 +340,13 @@ class Router:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, problem)
             worker = choice.worker
             self.metrics.prefill_routes.labels(choice.rule).inc()
+            timeout = self._remaining(flight)  # may raise: before the count it would leak
             worker.assigned += 1
             worker.routed_tokens += len(prompt)
             flight.prefills.append(worker)
+            call = worker.prefill.Prefill(message, timeout=timeout)
             try:
-                first = await worker.prefill.Prefill(message, timeout=self._remaining(flight))
+                first = await call
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     self.pool.failed(worker)
@@ -343,6 +355,10 @@ class Router:
                     continue
                 raise self._failure(worker, error, "prefill") from None
             finally:
+                # cancelled as the call starts (its interceptor done, this await not resumed
+                # yet), the call would run on at the instance unless cancelled here, and hold
+                # pages after `_ended`'s Release found none
+                call.cancel()
                 worker.assigned -= 1
             flight.cached_tokens = first.cached_tokens
             self.pool.prefilled(choice, leaves, first.cached_tokens // page)
