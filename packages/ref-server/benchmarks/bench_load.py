@@ -49,7 +49,9 @@ async def round_of_streams(address: str, count: int, max_tokens: int, stop_after
 
         async def one(i: int):
             start, first, tokens = time.monotonic(), None, 0
-            call = stub.Generate(request(prompt(i), f"load-{i}", max_tokens=max_tokens))
+            call = stub.Generate(
+                request(prompt(i), f"load-{i}", temperature=0, max_tokens=max_tokens)
+            )
             try:
                 async for response in call:
                     if response.WhichOneof("payload") == "chunk":
@@ -107,6 +109,8 @@ def main() -> None:
         preset=args.preset,
         device=args.device,
         max_inflight=max(1024, args.streams),
+        tenant_share=1.0,  # every stream is this one client's
+        max_concurrent_rpcs=4 * max(1024, args.streams),
         max_waiting=max(1024, args.streams),
     )
     deployment = Deployment(config)

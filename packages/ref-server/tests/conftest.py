@@ -199,12 +199,16 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
         roles = sorted(w.role for w in client.server_info().workers)
         assert roles == ["decode", "decode", "prefill", "prefill"]
         prompts = [list(range(3, 3 + n)) for n in (4, 20, 70)]
-        alone = [client.generate(p, max_tokens=12, timeout=60).token_ids for p in prompts]
+        alone = [
+            client.generate(p, temperature=0, max_tokens=12, timeout=60).token_ids for p in prompts
+        ]
         for prompt, completion in zip(prompts, alone, strict=True):
             assert len(completion) > 0 and near_greedy(reference, prompt, list(completion))
         together = [
             r.token_ids
-            for r in generate_together(client, [dict(prompt=p, max_tokens=12) for p in prompts * 3])
+            for r in generate_together(
+                client, [dict(prompt=p, max_tokens=12, temperature=0) for p in prompts * 3]
+            )
         ]
         if batch_invariant:
             assert together == alone * 3

@@ -230,6 +230,12 @@ def test_top_level_help_lists_the_commands():
         (["serve", "--rank", "1"], "need 0 <= rank < ranks, got rank 1 of 1"),
         (["serve", "--role", "prefill", "--ranks", "2"], "needs group_address"),
         (["serve", "--config", "/nonexistent/serve.toml"], "config file not found"),
+        (["serve", "--tenant-share", "0"], "tenant_share must be in (0, 1], got 0.0"),
+        (
+            ["serve", "--max-concurrent-rpcs", "64", "--max-inflight", "64"],
+            "max_concurrent_rpcs must be above max_inflight (64), got 64",
+        ),
+        (["serve", "--max-stops", "0"], "max_stops must be > 0, got 0"),
         (["demo", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
         (["demo", "--requests", "0"], "argument --requests: must be a whole number > 0"),
         (["demo", "--max-tokens", "many"], "argument --max-tokens: must be a whole number"),
@@ -333,6 +339,15 @@ def test_the_cli_knows_the_model_presets():
     import ref_server.model as M
 
     assert tuple(M.PRESETS) == PRESET_NAMES
+
+
+def test_the_limits_come_from_the_config_file_and_flags(tmp_path):
+    path = tmp_path / "serve.toml"
+    path.write_text("max_stops = 4\ntenant_share = 0.25\nmax_request_id_length = 32\n")
+    config = ServeConfig.from_file(path, max_prompts=8)
+    assert (config.max_stops, config.tenant_share, config.max_prompts) == (4, 0.25, 8)
+    assert (config.max_request_id_length, config.max_choices) == (32, 64)
+    assert ServeConfig().isolate_cache  # per API key unless told otherwise
 
 
 def test_the_cli_knows_the_two_batch_modes():

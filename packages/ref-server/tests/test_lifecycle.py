@@ -62,7 +62,9 @@ def test_cancel_or_abort_at_every_stage_leaves_no_page_held(one_at_a_time, servi
     streams = []
 
     def send(prompt, max_tokens, request_id):
-        streams.append(client.responses(prompt, max_tokens=max_tokens, request_id=request_id))
+        streams.append(
+            client.responses(prompt, temperature=0, max_tokens=max_tokens, request_id=request_id)
+        )
         return streams[-1]
 
     def prefill_load(running, waiting) -> bool:
@@ -97,7 +99,9 @@ def test_cancel_or_abort_at_every_stage_leaves_no_page_held(one_at_a_time, servi
         assert after.get(stage, 0) - before.get(stage, 0) == count, (stage, before, after)
     # the ids are free again, and reusing them touches nothing of the ended requests
     for request_id in "abcd":
-        assert client.generate([7, 8, 9], max_tokens=3, request_id=request_id).finish_reason
+        assert client.generate(
+            [7, 8, 9], temperature=0, max_tokens=3, request_id=request_id
+        ).finish_reason
     serving.wait_idle(client)
     client.close()
 
@@ -105,7 +109,8 @@ def test_cancel_or_abort_at_every_stage_leaves_no_page_held(one_at_a_time, servi
 def test_a_storm_of_aborts_then_a_request_is_served_at_once(one_at_a_time, serving):
     client = Client(one_at_a_time.address)
     streams = [
-        client.responses([3 + i, 4, 5], max_tokens=500, request_id=f"storm-{i}") for i in range(64)
+        client.responses([3 + i, 4, 5], temperature=0, max_tokens=500, request_id=f"storm-{i}")
+        for i in range(64)
     ]
     next(streams[0])
     missed = set()
@@ -124,7 +129,7 @@ def test_a_storm_of_aborts_then_a_request_is_served_at_once(one_at_a_time, servi
     assert len(missed) < 8
     serving.wait_idle(client)
     start = time.monotonic()
-    assert len(client.generate([5, 6, 7], max_tokens=4).token_ids) == 4
+    assert len(client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids) == 4
     assert time.monotonic() - start < 3
     client.close()
 
@@ -134,18 +139,18 @@ def test_a_request_that_waits_past_its_kv_lease_fails_cleanly_and_admission_is_b
     the router stops waiting for room before it runs out: RESOURCE_EXHAUSTED with a retry
     hint, never tokens from reused pages, nothing held after. Beyond max_inflight requests
     the router answers RESOURCE_EXHAUSTED at once."""
-    config = serving.config(max_num_seqs=1, hold_seconds=1.5, max_inflight=2)
+    config = serving.config(max_num_seqs=1, hold_seconds=1.5, max_inflight=2, tenant_share=1.0)
     running = Deployment(config, startup_timeout=120)
     reference = M.from_preset("tiny", seed=SEED)
     try:
         client = Client(running.address)
-        first = client.responses([5, 6], max_tokens=400)
+        first = client.responses([5, 6], temperature=0, max_tokens=400)
         next(first)
         start = time.monotonic()
-        waiting = client.responses([7, 8, 9], max_tokens=8)
+        waiting = client.responses([7, 8, 9], temperature=0, max_tokens=8)
         third = time.monotonic()
         with pytest.raises(grpc.RpcError) as full:
-            client.generate([1, 2, 3], max_tokens=2)
+            client.generate([1, 2, 3], temperature=0, max_tokens=2)
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 requests in flight" in full.value.details()
         assert time.monotonic() - third < 1
@@ -184,7 +189,7 @@ def test_a_decode_instance_without_room_refuses_and_the_router_waits_for_it(serv
         prompts = [list(range(3 + i, 23 + i)) for i in range(8)]
         want = reference.generate(prompts, M.SamplingParams(max_tokens=12))
         results = serving.generate_together(
-            client, [dict(prompt=p, max_tokens=12) for p in prompts], timeout=60
+            client, [dict(prompt=p, max_tokens=12, temperature=0) for p in prompts], timeout=60
         )
         assert [r.token_ids for r in results] == want
         serving.wait_idle(client)
@@ -207,15 +212,17 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
         serving.wait_until(lambda: client.health() == "NOT_SERVING", 5, "NOT_SERVING")
         assert "no healthy decode instance" in client.server_info().problem
         with pytest.raises(grpc.RpcError) as down:
-            client.generate([5, 6, 7], max_tokens=4, timeout=10)
+            client.generate([5, 6, 7], temperature=0, max_tokens=4, timeout=10)
         assert down.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "decode" in down.value.details()
         serving.wait_until(lambda: client.health() == "SERVING", 60, "the restarted decode")
-        assert client.generate([5, 6, 7], max_tokens=4).token_ids == reference_ids([5, 6, 7], 4)
+        assert client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids == reference_ids(
+            [5, 6, 7], 4
+        )
 
-        busy = client.responses([5, 6], max_tokens=480)
+        busy = client.responses([5, 6], temperature=0, max_tokens=480)
         next(busy)
-        waiting = client.responses([7, 8, 9], max_tokens=8)
+        waiting = client.responses([7, 8, 9], temperature=0, max_tokens=8)
         assert next(waiting).WhichOneof("payload") == "chunk"  # its KV held at the prefill
         running.children[running.addresses("prefill")[0]].kill()
         with pytest.raises(grpc.RpcError) as lost:
@@ -227,7 +234,9 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
         busy.cancel()
         serving.wait_until(lambda: client.health() == "NOT_SERVING", 5, "the prefill dropped")
         serving.wait_until(lambda: client.health() == "SERVING", 60, "the restarted prefill")
-        assert client.generate([5, 6, 7], max_tokens=4).token_ids == reference_ids([5, 6, 7], 4)
+        assert client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids == reference_ids(
+            [5, 6, 7], 4
+        )
         serving.wait_idle(client)
         client.close()
     finally:
@@ -349,7 +358,7 @@ def test_instances_that_disagree_keep_the_router_out_of_service(serving):
         assert not info.serving and client.health() == "NOT_SERVING"
         assert "prefill-0: tiny: page_size 32, not 16" in info.problem
         with pytest.raises(grpc.RpcError) as refused:
-            client.generate([5, 6, 7], max_tokens=4, timeout=10)
+            client.generate([5, 6, 7], temperature=0, max_tokens=4, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "page_size 32, not 16" in refused.value.details()
         client.close()

@@ -182,6 +182,23 @@ def test_a_greedy_batch_is_each_row_s_argmax_whatever_its_cuts():
     assert sample(logits, params, list(range(6))) == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-46, 1e-39, 1e-20, 9e-6])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    """Below it logits / temperature overflows float32, or the temperature underflows to 0 on
+    its way to the device while noise is still added: either way the draw was noise."""
+    logits = torch.randn(64, 300)
+    params = [SamplingParams(temperature=temperature, seed=s) for s in range(63)]
+    params.append(SamplingParams(temperature=1.0, seed=1))  # a sampled row beside them
+    got = sample(logits, params, list(range(64)))
+    assert got[:63] == logits[:63].argmax(dim=-1).tolist()
+
+
+def test_stop_token_ids_are_kept_as_a_frozenset():
+    params = SamplingParams(stop_token_ids=[7, 3, 7])
+    assert params.stop_token_ids == frozenset({3, 7})
+    assert isinstance(params.stop_token_ids, frozenset)
+
+
 def test_prefill_flops_count_what_the_model_computes():
     """Against torch's FLOP counter on a full pass of the tiny model on the CPU: the matmuls
     within 1 % (norm weights are parameters but not matmuls), attention exactly (the CPU's

@@ -169,7 +169,9 @@ def served_metrics(address: str, http_port: int, prompts: list[list[int]]) -> st
     with Client(address) as client:
         for prompt in prompts:
             want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
-            assert client.generate(prompt, max_tokens=8, timeout=60).token_ids == want
+            assert (
+                client.generate(prompt, temperature=0, max_tokens=8, timeout=60).token_ids == want
+            )
     url = f"http://127.0.0.1:{http_port}/metrics"
     return urllib.request.urlopen(url, timeout=5).read().decode()
 
@@ -267,7 +269,7 @@ def test_a_read_that_fails_midway_fails_its_request_and_frees_the_pages_on_both_
     try:
         with Client(running.address) as client:
             with pytest.raises(grpc.RpcError) as failed:
-                client.generate(prompt, max_tokens=8, timeout=60)
+                client.generate(prompt, temperature=0, max_tokens=8, timeout=60)
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "injected: the link went down after 2 of 4 pages" in failed.value.details()
             serving.wait_idle(client)

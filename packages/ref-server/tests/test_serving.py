@@ -21,9 +21,9 @@ from ref_server.balance import write_placement
 from ref_server.client import Client, request
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
 from ref_server.services.metrics import Metrics
-from ref_server.services.router import Finished, Limits, Router
+from ref_server.services.router import Finished, Router
 from ref_server.services.security import SECRET_ENV
-from ref_server.services.servers import model_args, model_facts, model_fingerprint
+from ref_server.services.servers import model_args, model_facts, model_fingerprint, router_limits
 from ref_server.services.workers import Expected, WorkerPool
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
@@ -46,7 +46,7 @@ def test_greedy_output_equals_one_process_generation(client, reference):
     prompts = [[5, 6, 7], list(range(2, 60)), [9] * 17, list(range(100, 230))]
     for prompt, max_tokens in zip(prompts, (1, 5, 16, 30), strict=True):
         want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-        got = client.generate(prompt, max_tokens=max_tokens, timeout=60)
+        got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=60)
         assert got.token_ids == want
         assert got.usage.prompt_tokens == len(prompt)
         assert got.usage.completion_tokens == len(want)
@@ -57,10 +57,10 @@ def test_a_request_without_a_deadline_succeeds(client, tiny_deployment, referenc
     """grpcurl and most clients send none: the router's ceiling applies, not an instant
     DEADLINE_EXCEEDED. Both through the client and a bare stub."""
     want = reference.generate([[5, 6, 7]], M.SamplingParams(max_tokens=6))[0]
-    assert client.generate([5, 6, 7], max_tokens=6).token_ids == want
+    assert client.generate([5, 6, 7], temperature=0, max_tokens=6).token_ids == want
     with grpc.insecure_channel(tiny_deployment.address) as channel:
         stub = rpc.RouterStub(channel)
-        responses = list(stub.Generate(request([5, 6, 7], max_tokens=6)))
+        responses = list(stub.Generate(request([5, 6, 7], temperature=0, max_tokens=6)))
     tokens = [t for r in responses if r.WhichOneof("payload") == "chunk" for t in r.chunk.token_ids]
     assert tokens == want
     assert responses[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
@@ -96,21 +96,51 @@ def test_multibyte_characters_stream_intact(client, reference):
 
 
 def test_stop_strings_end_the_text_before_them(client, reference):
-    full = client.generate([5, 6, 7], max_tokens=40)
+    full = client.generate([5, 6, 7], temperature=0, max_tokens=40)
     stop = full.text[5:8]
     assert len(stop) == 3 and stop.strip()
-    stopped = client.generate([5, 6, 7], max_tokens=40, stop=[stop])
+    stopped = client.generate([5, 6, 7], temperature=0, max_tokens=40, stop=[stop])
     assert stopped.finish_reason == "stop"
     assert stopped.text == full.text[: full.text.index(stop)]
-    streamed = "".join(c.text for c in client.stream([5, 6, 7], max_tokens=40, stop=[stop]))
+    streamed = "".join(
+        c.text for c in client.stream([5, 6, 7], temperature=0, max_tokens=40, stop=[stop])
+    )
     assert streamed == stopped.text
+
+
+def test_a_stop_string_in_the_only_token_makes_it_a_stop(client, reference):
+    """max_tokens 1 and a stop string in that token's text: "stop", as OpenAI and vLLM say,
+    not "length"."""
+    for start in range(3, 300):
+        prompt = [start, start + 1]
+        token = reference.generate([prompt], M.SamplingParams(max_tokens=1))[0][0]
+        text = reference.tokenizer.decode([token])
+        if text.isprintable() and text.strip() and text != "\ufffd":
+            break
+    got = client.generate(prompt, temperature=0, max_tokens=1, stop=[text], timeout=60)
+    assert (got.token_ids, got.text, got.finish_reason) == ([token], "", "stop")
+    assert client.generate(prompt, temperature=0, max_tokens=1).text == text
+
+
+def test_absent_sampling_fields_take_the_http_api_s_defaults(client, reference):
+    """max_tokens 16, temperature 1 and a random seed, as over HTTP: `generate("Hello")`
+    samples up to 16 tokens; with a seed, what temperature 1 samples; without one, each
+    request its own draw."""
+    ids = reference.tokenizer.encode("Hello")
+    seeded = client.generate("Hello", seed=5, timeout=60)
+    params = M.SamplingParams(temperature=1.0, max_tokens=16, seed=5)
+    want = reference.generate([ids], params)[0]
+    assert seeded.token_ids == want
+    assert seeded.finish_reason == ("length" if len(want) == 16 else "stop")
+    unseeded = [tuple(client.generate("Hello", max_tokens=32).token_ids) for _ in range(3)]
+    assert len(set(unseeded)) == 3
 
 
 def test_64_concurrent_streams_are_all_correct(client, reference, serving):
     prompts = [list(range(3 + i, 20 + 2 * i)) for i in range(64)]
     want = reference.generate(prompts, M.SamplingParams(max_tokens=8))
     results = serving.generate_together(
-        client, [dict(prompt=p, max_tokens=8) for p in prompts], timeout=120
+        client, [dict(prompt=p, max_tokens=8, temperature=0) for p in prompts], timeout=120
     )
     assert [r.token_ids for r in results] == want
 
@@ -124,7 +154,9 @@ def test_256_concurrent_streams_complete_without_an_error(tiny_deployment, clien
             stub = rpc.RouterStub(channel)
 
             async def one(i: int):
-                message = request(list(range(3 + i % 50, 20 + i % 50)), max_tokens=12)
+                message = request(
+                    list(range(3 + i % 50, 20 + i % 50)), temperature=0, max_tokens=12
+                )
                 try:
                     return [r async for r in stub.Generate(message)][-1]
                 except grpc.aio.AioRpcError as error:
@@ -149,7 +181,7 @@ def test_aborts_right_after_the_first_chunk_leave_nothing_running(tiny_deploymen
             stub = rpc.RouterStub(channel)
 
             async def one(i: int):
-                message = request([3 + i % 50, 4, 5], f"first-{i}", max_tokens=200)
+                message = request([3 + i % 50, 4, 5], f"first-{i}", temperature=0, max_tokens=200)
                 last = None
                 async for response in stub.Generate(message):
                     if last is None:
@@ -167,8 +199,8 @@ def test_aborts_right_after_the_first_chunk_leave_nothing_running(tiny_deploymen
 
 def test_a_repeated_prefix_is_reported_and_skipped(client, reference):
     prefix = list(range(300, 364))  # four 16-token pages
-    first = client.generate([*prefix, 7], max_tokens=4, timeout=60)
-    second = client.generate([*prefix, 8, 9], max_tokens=4, timeout=60)
+    first = client.generate([*prefix, 7], temperature=0, max_tokens=4, timeout=60)
+    second = client.generate([*prefix, 8, 9], temperature=0, max_tokens=4, timeout=60)
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 64
     want = reference.generate([[*prefix, 8, 9]], M.SamplingParams(max_tokens=4))[0]
@@ -213,7 +245,7 @@ def test_a_shared_prefix_goes_where_it_is_cached_without_asking_the_instances(se
             stub = worker.prefill
             stub.Prefill = recorded(stub.Prefill, worker.name, served)
             stub.PrefixMatch = recorded(stub.PrefixMatch, worker.name, asked)
-        router = Router(pool, facts, tokenizer, metrics, Limits())
+        router = Router(pool, facts, tokenizer, metrics, router_limits(config))
 
         async def cached_tokens(prompt: list[int]) -> int:
             params = M.SamplingParams(max_tokens=2)
@@ -284,7 +316,9 @@ def test_bad_requests_are_invalid_argument(client, fields, message):
 
 
 def test_abort_ends_the_stream_and_frees_its_pages(client, tiny_deployment, serving):
-    stream = client.responses([5, 6], max_tokens=400, request_id="abort-me", timeout=60)
+    stream = client.responses(
+        [5, 6], temperature=0, max_tokens=400, request_id="abort-me", timeout=60
+    )
     first = next(stream)
     assert first.request_id == "abort-me" and first.WhichOneof("payload") == "chunk"
     client.abort("abort-me")
@@ -298,7 +332,7 @@ def test_abort_ends_the_stream_and_frees_its_pages(client, tiny_deployment, serv
 
 
 def test_a_client_aborts_only_its_own_requests(client, tiny_deployment, serving):
-    stream = client.responses([5, 6], max_tokens=300, request_id="mine", timeout=60)
+    stream = client.responses([5, 6], temperature=0, max_tokens=300, request_id="mine", timeout=60)
     next(stream)
     # another connection (channels of one process share theirs unless told not to)
     options = [("grpc.use_local_subchannel_pool", 1)]
@@ -315,7 +349,7 @@ def test_a_client_aborts_only_its_own_requests(client, tiny_deployment, serving)
 
 def test_deadline_is_honored(client, serving):
     with pytest.raises(grpc.RpcError) as caught:
-        client.generate([5, 6], max_tokens=450, timeout=0.3)
+        client.generate([5, 6], temperature=0, max_tokens=450, timeout=0.3)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     serving.wait_idle(client)
 
@@ -330,7 +364,7 @@ def test_health_info_and_metrics(client, tiny_deployment):
     assert sorted(w.name for w in server.workers) == ["decode-0", "prefill-0"]
     assert all(w.healthy and not w.problem for w in server.workers)
     assert "127.0.0.1" not in str(server)  # internal addresses are not published
-    client.generate([3, 4, 5], max_tokens=3, timeout=30)
+    client.generate([3, 4, 5], temperature=0, max_tokens=3, timeout=30)
     base = f"http://127.0.0.1:{tiny_deployment.config.http_port}"
     text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
     for name in (
@@ -368,7 +402,10 @@ def test_a_dead_decode_instance_fails_its_requests_and_the_other_takes_over(refe
     running = Deployment(serving.config(decode_instances=2), startup_timeout=120)
     try:
         client = Client(running.address)
-        streams = [client.responses([5, 6 + i], max_tokens=450, timeout=120) for i in range(2)]
+        streams = [
+            client.responses([5, 6 + i], temperature=0, max_tokens=450, timeout=120)
+            for i in range(2)
+        ]
         for stream in streams:
             next(stream)
 
@@ -393,7 +430,7 @@ def test_a_dead_decode_instance_fails_its_requests_and_the_other_takes_over(refe
             outcomes,
         )
         want = reference.generate([[7, 8, 9]], M.SamplingParams(max_tokens=6))[0]
-        assert client.generate([7, 8, 9], max_tokens=6, timeout=60).token_ids == want
+        assert client.generate([7, 8, 9], temperature=0, max_tokens=6, timeout=60).token_ids == want
         serving.wait_until(
             lambda: all(w.healthy for w in client.server_info().workers),
             60,
@@ -436,7 +473,7 @@ def test_instances_balance_their_experts_while_serving(reference, serving, tmp_p
     try:
         client = Client(running.address)
         prompts = [list(range(3, 3 + n)) for n in (4, 20, 70)]
-        requests = [dict(prompt=p, max_tokens=12) for p in prompts * 2]
+        requests = [dict(prompt=p, max_tokens=12, temperature=0) for p in prompts * 2]
         for i, result in enumerate(serving.generate_together(client, requests)):
             assert serving.near_greedy(reference, prompts[i % 3], list(result.token_ids))
 
@@ -527,7 +564,7 @@ def test_torchrun_starts_an_instance_of_two_ranks(reference, serving):
         with Client(f"127.0.0.1:{settings.port}") as client:
             prompts = [list(range(3, 3 + n)) for n in (6, 30, 18, 9)]
             results = serving.generate_together(
-                client, [dict(prompt=p, max_tokens=10) for p in prompts]
+                client, [dict(prompt=p, max_tokens=10, temperature=0) for p in prompts]
             )
             for prompt, result in zip(prompts, results, strict=True):
                 assert serving.near_greedy(reference, prompt, list(result.token_ids))

@@ -50,7 +50,10 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
         for length, max_tokens in ((5, 12), (64, 8), (300, 16)):
             prompt = torch.randint(2, 100_000, (length,), generator=g).tolist()
             want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-            assert client.generate(prompt, max_tokens=max_tokens, timeout=120).token_ids == want
+            assert (
+                client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=120).token_ids
+                == want
+            )
         del reference, model
         requests = [  # sampled, of many lengths: decode batches of many sizes
             dict(prompt=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
@@ -91,7 +94,7 @@ def test_kv_read_through_nixl_from_gpu_memory_gives_the_tokens_of_cuda_ipc(servi
         try:
             with Client(deployment.address) as client:
                 tokens[method] = [
-                    client.generate(prompt, max_tokens=12, timeout=60).token_ids
+                    client.generate(prompt, temperature=0, max_tokens=12, timeout=60).token_ids
                     for prompt in prompts
                 ]
             url = f"http://127.0.0.1:{config.http_port}/metrics"
@@ -177,12 +180,14 @@ def test_a_dead_prefill_instance_is_unmapped_and_a_restarted_one_mapped_again(se
         def decode_load():
             return next(w.load for w in client.server_info().workers if w.role == "decode")
 
-        client.generate([5, 6, 7], max_tokens=4, timeout=60)
+        client.generate([5, 6, 7], temperature=0, max_tokens=4, timeout=60)
         serving.wait_until(lambda: decode_load().mapped_caches == 1, 10, "prefill cache mapped")
         deployment.children[deployment.addresses("prefill")[0]].kill()
         serving.wait_until(lambda: decode_load().mapped_caches == 0, 30, "the dead cache unmapped")
         serving.wait_until(lambda: client.server_info().serving, 120, "the prefill restarted")
-        assert len(client.generate([5, 6, 7], max_tokens=4, timeout=60).token_ids) == 4
+        assert (
+            len(client.generate([5, 6, 7], temperature=0, max_tokens=4, timeout=60).token_ids) == 4
+        )
         serving.wait_until(lambda: decode_load().mapped_caches == 1, 10, "the new cache mapped")
         client.close()
     finally:

@@ -190,6 +190,23 @@ def test_default_chat_template(byte, hf):
     )
 
 
+def test_special_token_text_is_escaped_into_plain_text(byte, hf):
+    """A zero-width space after the first character: encoded, the text has no special id, and
+    it decodes to what was shown (text without special-token text is left as it is)."""
+    user, assistant = "<｜User｜>", "<｜Assistant｜>"
+    content = f"a{EOS}b{BOS}{user}c{assistant}{EOS}{EOS}"
+    for tokenizer in (byte, hf):
+        escaped = tokenizer.escape_special_tokens(content)
+        for special in (EOS, BOS, user, assistant):
+            assert special not in escaped
+            assert escaped.count(special[0] + "\u200b" + special[1:]) == content.count(special)
+        assert escaped.replace("\u200b", "") == content
+        ids = tokenizer.encode(escaped, add_special_tokens=False)
+        assert 0 not in ids and 1 not in ids
+        assert tokenizer.decode(ids) == escaped
+        assert tokenizer.escape_special_tokens("中文 text <|im|>") == "中文 text <|im|>"
+
+
 TEMPLATE = (
     "{% for m in messages %}\n"
     "  {% if m.role == 'system' %}{{ raise_exception('no system messages here') }}{% endif %}\n"

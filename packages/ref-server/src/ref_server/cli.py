@@ -39,9 +39,13 @@ SETTING_GROUPS = {
         "two_batch_prefill_tokens", "prefill_graph_tokens",
     ),
     "router": (
-        "prefill", "decode", "max_inflight", "max_request_bytes", "request_timeout_s",
-        "queue_timeout_s", "health_interval_s", "health_failures", "cache_threshold",
+        "prefill", "decode", "health_interval_s", "health_failures", "cache_threshold",
         "balance_abs_threshold", "balance_rel_threshold", "prefix_index_pages",
+    ),
+    "limits (the router's; max_concurrent_rpcs every server's)": (
+        "max_request_bytes", "max_inflight", "tenant_share", "max_concurrent_rpcs", "max_prompts",
+        "max_choices", "max_stops", "max_stop_length", "max_stop_token_ids",
+        "max_request_id_length", "request_timeout_s", "queue_timeout_s",
     ),
     "expert balancing (EPLB, every instance)": (
         "redundant_experts", "eplb_interval", "eplb_layers_per_step", "expert_placement",

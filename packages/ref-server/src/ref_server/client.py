@@ -8,9 +8,10 @@
         for chunk in client.stream([1, 2, 3], max_tokens=8):   # token ids in, chunks out
             print(chunk.text, end="", flush=True)
 
-Sampling keywords are `SamplingParams` fields: max_tokens (required), temperature (0:
-greedy), top_p, top_k, seed, stop (strings), stop_token_ids. Without `timeout` a request has
-no deadline (the router's ceiling applies). Failures raise `grpc.RpcError`, whose `code()` and
+Sampling keywords are `SamplingParams` fields; those not given take the server's defaults,
+the HTTP API's too: max_tokens (16), temperature (1; 0: greedy), top_p (1), top_k (0: all),
+seed (a random one), stop (strings), stop_token_ids. Without `timeout` a request has no
+deadline (the router's ceiling applies). Failures raise `grpc.RpcError`, whose `code()` and
 `details()` say what went wrong (INVALID_ARGUMENT with the bad field, RESOURCE_EXHAUSTED when
 the router is full, UNAVAILABLE when no instance can serve, ...).
 """

@@ -15,17 +15,24 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this, logits / temperature overflows float32 (or the temperature itself underflows to 0
+# on the way to the device) and the draw is noise: such temperatures are greedy.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # below GREEDY_BELOW (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: all tokens
     max_tokens: int = 16
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    # given as any iterable; kept as a frozenset, which the engine tests every sequence's new
+    # token against at every step
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature:g}")
         if not 0 < self.top_p <= 1:  # NaN fails this too
@@ -35,19 +42,22 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
     """The token of each row of `logits` `[b, vocab]` float32, row i drawn with params[i] for
     position positions[i] of its sequence (the position the token will take)."""
-    if all(p.temperature == 0 for p in params):  # top-k and top-p always keep the argmax
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    if not drawn:  # top-k and top-p always keep the argmax
         return logits.argmax(dim=-1).tolist()
     device = logits.device
-    temperature = _to(device, [p.temperature for p in params])
-    greedy = temperature == 0
-    scores = logits.float() / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    temperature = _to(device, [1.0 if p.greedy else p.temperature for p in params])
+    scores = logits.float() / temperature.unsqueeze(-1)
     if any(p.top_k or p.top_p < 1 for p in params):
         scores = _keep_top_k_top_p(scores, params)
-    drawn = [row for row, p in enumerate(params) if p.temperature > 0]
     keys = [(params[r].seed * 1_000_003 + positions[r]) % 2**63 for r in drawn]
     scores[_to(device, drawn)] += _gumbel(_to(device, keys), scores.shape[1])
     return scores.argmax(dim=-1).tolist()

@@ -20,6 +20,7 @@ EOS_TOKEN = "<｜end▁of▁sentence｜>"  # noqa: RUF001
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"  # noqa: RUF001
 # the default chat template: each turn's text before and after its content
 _TURNS = {"system": ("", ""), "user": (USER, ""), "assistant": (ASSISTANT, EOS_TOKEN)}
+ZERO_WIDTH_SPACE = "\u200b"
 
 
 class IncrementalDecoder(Protocol):
@@ -32,11 +33,27 @@ class IncrementalDecoder(Protocol):
 
 
 class _ChatTemplate:
-    """`apply_chat_template` for a tokenizer with `chat_template`, `bos_token` and `eos_token`."""
+    """`apply_chat_template` for a tokenizer with `chat_template`, `bos_token` and `eos_token`,
+    and `escape_special_tokens` for one whose `special_texts` are the texts of its control
+    tokens (and of the template's own markers)."""
 
     chat_template: str | None = None
     bos_token: str | None
     eos_token: str | None
+    special_texts: list[str]
+
+    def escape_special_tokens(self, text: str) -> str:
+        """`text` with a zero-width space after the first character of each special token's
+        text in it: chat content then encodes as the characters it shows, never as a control
+        token (it cannot end a turn or forge one)."""
+        if self._specials_found is None:
+            return text
+        return self._specials_found.sub(lambda m: m[0][0] + ZERO_WIDTH_SPACE + m[0][1:], text)
+
+    @cached_property
+    def _specials_found(self) -> re.Pattern | None:
+        texts = sorted((t for t in self.special_texts if len(t) > 1), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text of `messages` (`{"role": "system"|"user"|"assistant", "content": str}`).
@@ -106,6 +123,7 @@ class ByteTokenizer(_ChatTemplate):
         self.eos_token = EOS_TOKEN if eos_token_id is not None else None
         pairs = [(self.bos_token, bos_token_id), (self.eos_token, eos_token_id)]
         self._specials = {text: i for text, i in pairs if text is not None}
+        self.special_texts = [*self._specials, USER, ASSISTANT]  # its turn markers are bytes
         alternatives = "|".join(map(re.escape, self._specials))
         self._split = re.compile(f"({alternatives})") if alternatives else None
 
@@ -164,6 +182,10 @@ class HFTokenizer(_ChatTemplate):
         if isinstance(template, list):
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template = template
+        # every added token (encode() matches each, special or not), and the default
+        # template's turn markers
+        added = [token.content for token in self.tokenizer.get_added_tokens_decoder().values()]
+        self.special_texts = [*added, USER, ASSISTANT]
 
     def _special(
         self, token: str | dict | None, token_id: int | None

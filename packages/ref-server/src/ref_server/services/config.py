@@ -95,9 +95,33 @@ class ServeConfig:
     eplb_save: str | None = _setting(
         None, "a file the instance writes each expert placement to once every layer holds it"
     )
-    max_request_bytes: int = _setting(1 << 20, "larger Generate requests are INVALID_ARGUMENT")
+    max_request_bytes: int = _setting(
+        1 << 20,
+        "the largest gRPC request or HTTP body the router takes: INVALID_ARGUMENT beyond (up to "
+        "64 KiB more; further, gRPC's own RESOURCE_EXHAUSTED), HTTP 413",
+    )
     max_inflight: int = _setting(
         1024, "requests the router admits at once; more get RESOURCE_EXHAUSTED (HTTP 429)"
+    )
+    tenant_share: float = _setting(
+        0.5,
+        "the share of max_inflight one tenant may hold (an API key; without keys, a client "
+        "address); more get RESOURCE_EXHAUSTED (HTTP 429)",
+    )
+    max_concurrent_rpcs: int = _setting(
+        4096,
+        "calls a gRPC server (the router's, an instance's) serves at once, health checks "
+        "included; more get RESOURCE_EXHAUSTED; above max_inflight",
+    )
+    max_prompts: int = _setting(64, "prompts in one HTTP completions request")
+    max_choices: int = _setting(
+        64, "choices in one HTTP request (prompts x n), admitted all or none"
+    )
+    max_stops: int = _setting(16, "stop strings in one request")
+    max_stop_length: int = _setting(256, "characters in one stop string")
+    max_stop_token_ids: int = _setting(64, "distinct stop token ids in one request")
+    max_request_id_length: int = _setting(
+        128, "characters in a gRPC request id (letters, digits and . _ : -)"
     )
     request_timeout_s: float = _setting(3600.0, "the ceiling of a request without a deadline")
     queue_timeout_s: float = _setting(30.0, "how long a request may wait for decode room")
@@ -142,7 +166,9 @@ class ServeConfig:
     api_key_file: str | None = _setting(
         None, "API keys, one per line (also REF_SERVER_API_KEYS); none: the API is open"
     )
-    isolate_cache: bool = _setting(False, "prefix-cache hits only within one API key")
+    isolate_cache: bool = _setting(
+        True, "prefix-cache hits only within one API key (no effect without API keys)"
+    )
     tls_cert: str | None = _setting(
         None, "PEM certificate of the public gRPC and HTTP APIs (with --tls-key)"
     )
@@ -195,7 +221,9 @@ class ServeConfig:
                 problems.append(f"{name} must be in 0..65535, got {getattr(self, name)}")
         positive = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
         positive += ("max_model_len", "max_inflight", "health_failures", "ranks")
-        positive += ("prefix_index_pages", "eplb_layers_per_step")
+        positive += ("prefix_index_pages", "eplb_layers_per_step", "max_request_bytes")
+        positive += ("max_prompts", "max_choices", "max_stops", "max_stop_length")
+        positive += ("max_stop_token_ids", "max_request_id_length")
         positive += ("hold_seconds", "request_timeout_s", "queue_timeout_s", "health_interval_s")
         problems += [
             f"{n} must be > 0, got {getattr(self, n)}" for n in positive if getattr(self, n) <= 0
@@ -205,6 +233,13 @@ class ServeConfig:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.eplb_save and not self.eplb_interval:
             problems.append("eplb_save needs eplb_interval > 0 (no placement is computed)")
+        if not 0 < self.tenant_share <= 1:
+            problems.append(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+        if self.max_concurrent_rpcs <= self.max_inflight:
+            problems.append(
+                f"max_concurrent_rpcs must be above max_inflight ({self.max_inflight}), got "
+                f"{self.max_concurrent_rpcs}"
+            )
         if not 0 <= self.cache_threshold <= 1:
             problems.append(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0:

@@ -1,12 +1,13 @@
 """The router's HTTP server: FastAPI on uvicorn, in the router's event loop.
 
 `POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events), `GET
-/v1/models`, `GET /health`, `GET /metrics`, `GET /version`. Errors have OpenAI's shape: 400 for
-bad input, 401 without a good API key, 404 for another model or path, 413 for a body over the
-limit, 429 when the router is full, 503 when no instance can serve, 504 past the router's
-ceiling. A client that disconnects aborts its requests, which frees their pages: it is looked
-for every DISCONNECT_POLL_S until the response is ready or, streamed, its first event is (then
-the streaming response watches for it).
+/v1/models`, `GET /v1/models/{id}`, `GET /health`, `GET /metrics`, `GET /version`. With API
+keys, every path but /health needs one. Errors have OpenAI's shape: 400 for bad input, 401
+without a good API key, 404 for another model or path, 413 for a body over the limit, 429 when
+the router is full, 503 when no instance can serve, 504 past the router's ceiling. A client
+that disconnects aborts its requests, which frees their pages: it is looked for every
+DISCONNECT_POLL_S until the response is ready or, streamed, its first event is (then the
+streaming response watches for it).
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ from ref_server.services.openai_api import (
 )
 from ref_server.services.openai_bodies import ChatBody, CompletionBody
 from ref_server.services.router import RequestError, Router
-from ref_server.services.security import ApiKeys
+from ref_server.services.security import ApiKeys, bearer
+
+OPEN_PATHS = ("/health",)
 
 
 def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_bytes: int) -> FastAPI:
     api = OpenAIApi(router, keys)
     app = FastAPI(title="ref-server", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(KeyGate, keys=keys)  # the outer one: a refused body is never read
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, error: RequestValidationError):
@@ -87,17 +91,24 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
     async def version():
         return {"version": __version__}
 
+    card = {
+        "id": api.model_id,
+        "object": "model",
+        "created": api.created,
+        "owned_by": "ref-server",
+        "max_model_len": router.model.max_model_len,
+    }
+
     @app.get("/v1/models")
-    async def models(request: Request):
-        api._tenant(request)
-        card = {
-            "id": api.model_id,
-            "object": "model",
-            "created": api.created,
-            "owned_by": "ref-server",
-            "max_model_len": router.model.max_model_len,
-        }
+    async def models():
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")  # a checkpoint's id is its path, slashes and all
+    async def model(model_id: str):
+        if model_id != api.model_id:
+            message = f"model {model_id!r} is not served here; this router serves {api.model_id!r}"
+            return JSONResponse(error_body(404, "not_found_error", message), 404)
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
@@ -155,6 +166,25 @@ async def while_connected(request: Request, awaitable):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class KeyGate:
+    """401 without a good API key (when keys are configured), before the body is read; every
+    path but OPEN_PATHS. Sets `request.state.tenant`: the key's tenant, "" without keys."""
+
+    def __init__(self, app, keys: ApiKeys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        tenant = self.keys.check(bearer(headers))
+        if tenant is None and scope["path"] not in OPEN_PATHS:
+            body = error_body(401, "authentication_error", "missing or wrong API key")
+            return await JSONResponse(body, 401)(scope, receive, send)
+        scope.setdefault("state", {})["tenant"] = tenant or ""
+        return await self.app(scope, receive, send)
 
 
 class BodyLimit:

@@ -3,6 +3,7 @@ INVALID_ARGUMENT (one precise message each)."""
 
 from __future__ import annotations
 
+import secrets
 import zlib
 
 import torch
@@ -23,14 +24,25 @@ PAGE_DTYPES = {
 }
 
 
+# What a request that does not say gets, over gRPC and HTTP alike (OpenAI's defaults; a chat
+# completion's max_tokens is the rest of the context instead).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_MAX_TOKENS = 16
+
+
 class BadRequest(ValueError):
     """A request the client must fix: INVALID_ARGUMENT."""
+
+
+def random_seed() -> int:
+    """The seed of a request that gives none: its own, so that clients never share draws."""
+    return secrets.randbits(63)
 
 
 def checked_sampling(max_tokens_limit: int, **fields) -> SamplingParams:
     """SamplingParams from fields (max_tokens, temperature, ...), or BadRequest naming the
     first bad one."""
-    max_tokens = fields.get("max_tokens", 0)
+    max_tokens = fields["max_tokens"]
     if max_tokens <= 0:
         raise BadRequest(f"max_tokens must be > 0, got {max_tokens}")
     if max_tokens > max_tokens_limit:
@@ -42,14 +54,19 @@ def checked_sampling(max_tokens_limit: int, **fields) -> SamplingParams:
 
 
 def sampling_params(message: pb.SamplingParams, max_tokens_limit: int) -> SamplingParams:
+    """The message's parameters, absent ones at their defaults."""
+
+    def given(name: str, default):
+        return getattr(message, name) if message.HasField(name) else default
+
     return checked_sampling(
         max_tokens_limit,
-        temperature=message.temperature,
-        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        temperature=given("temperature", DEFAULT_TEMPERATURE),
+        top_p=given("top_p", 1.0),
         top_k=message.top_k,
-        max_tokens=message.max_tokens,
-        seed=message.seed,
-        stop_token_ids=tuple(message.stop_token_ids),
+        max_tokens=given("max_tokens", DEFAULT_MAX_TOKENS),
+        seed=message.seed if message.HasField("seed") else random_seed(),
+        stop_token_ids=message.stop_token_ids,
     )
 
 
@@ -63,7 +80,7 @@ def sampling_message(params: SamplingParams) -> pb.SamplingParams:
         top_p=params.top_p,
         top_k=params.top_k,
         max_tokens=params.max_tokens,
-        stop_token_ids=params.stop_token_ids,
+        stop_token_ids=sorted(params.stop_token_ids),
         seed=params.seed,
     )
 

@@ -100,6 +100,7 @@ class Metrics:
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_tokens = 0  # the sum over _recent, kept as it changes: this runs per chunk
         self._lock = threading.Lock()
+        self.tokens_per_s.set_function(self._tokens_per_s)  # read when scraped: never stale
 
     def count_output(self, tokens: int) -> None:
         self.output_tokens.inc(tokens)
@@ -107,10 +108,19 @@ class Metrics:
         with self._lock:
             self._recent.append((now, tokens))
             self._recent_tokens += tokens
-            while self._recent and self._recent[0][0] < now - 10:
-                self._recent_tokens -= self._recent.popleft()[1]
-            span = max(now - self._recent[0][0], 1.0)
-            self.tokens_per_s.set(self._recent_tokens / span)
+            self._forget_before(now - 10)
+
+    def _tokens_per_s(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._forget_before(now - 10)
+            if not self._recent:
+                return 0.0
+            return self._recent_tokens / max(now - self._recent[0][0], 1.0)
+
+    def _forget_before(self, start: float) -> None:
+        while self._recent and self._recent[0][0] < start:
+            self._recent_tokens -= self._recent.popleft()[1]
 
     def show_workers(self, workers) -> None:
         for w in workers:

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 import uuid
 
@@ -18,10 +17,10 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from ref_server.services.messages import BadRequest, checked_sampling
+from ref_server.services.messages import BadRequest, checked_sampling, random_seed
 from ref_server.services.openai_bodies import ChatBody
 from ref_server.services.router import Finished, RequestError, Router, Tokens
-from ref_server.services.security import ApiKeys, bearer
+from ref_server.services.security import ApiKeys
 
 log = logging.getLogger(__name__)
 HTTP_STATUS = {
@@ -57,36 +56,31 @@ class OpenAIApi:
         self.model_id = router.model.name
         self.created = int(time.time())
 
-    def _tenant(self, request: Request) -> str:
-        tenant = self.keys.check(bearer(request.headers.items()))
-        if tenant is None:
-            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
-        return tenant
-
     def _prompts(self, body) -> list[list[int]]:
         tokenizer = self.router.tokenizer
-        if isinstance(body, ChatBody):
-            try:
+        try:
+            if isinstance(body, ChatBody):
                 messages = [
-                    {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    {
+                        "role": "system" if m.role == "developer" else m.role,
+                        "content": tokenizer.escape_special_tokens(m.text()),
+                    }
                     for m in body.messages
                 ]
                 text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except ValueError as error:
-                raise _invalid(str(error)) from None
-            return [tokenizer.encode(text, add_special_tokens=False)]
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt or any(p in ("", []) for p in prompt):
+                return [tokenizer.encode(text, add_special_tokens=False)]
+            prompts = body.prompts(self.router.limits.max_prompts)
+        except ValueError as error:  # BadRequest among them
+            raise _invalid(str(error)) from None
+        if any(p in ("", []) for p in prompts):
             raise _invalid("empty prompt")
-        if isinstance(prompt[0], str):
-            return [tokenizer.encode(p) for p in prompt]
-        return [list(p) for p in prompt] if isinstance(prompt[0], list) else [list(prompt)]
+        if isinstance(prompts[0], str):
+            return [tokenizer.encode(p) for p in prompts]
+        return [list(p) for p in prompts]
 
     def submissions(self, body, request: Request) -> tuple[list, list[list[int]]]:
         """One submission per choice (prompt-major, n per prompt), and the prompts."""
-        tenant = self._tenant(request)
+        tenant = request.state.tenant  # the API key gate's
         if body.model not in (None, self.model_id):
             message = (
                 f"model {body.model!r} is not served here; this router serves {self.model_id!r}"
@@ -94,13 +88,17 @@ class OpenAIApi:
             raise RequestError(grpc.StatusCode.NOT_FOUND, message)
         if problem := body.unsupported():
             raise _invalid(problem)
-        vocab = self.router.model.vocab_size
-        if bad := [t for t in body.stop_token_ids if not 0 <= t < vocab]:
-            raise _invalid(f"stop_token_ids: token id {bad[0]} outside [0, {vocab})")
         if body.model_extra:
             log.debug("ignored fields: %s", ", ".join(body.model_extra))
         prompts = self._prompts(body)
-        limit = self.router.model.max_model_len
+        limit, most = self.router.model.max_model_len, self.router.limits.max_choices
+        if len(prompts) * body.n > most:
+            raise _invalid(
+                f"{len(prompts) * body.n} choices (prompts x n: {len(prompts)} x {body.n}), over "
+                f"the limit of {most} (max_choices)"
+            )
+        stops = body.stops()
+        share_tenant = tenant or (request.client.host if request.client else "")
         submissions = []
         for p, prompt in enumerate(prompts):
             max_tokens = body.max_tokens
@@ -112,7 +110,7 @@ class OpenAIApi:
                         f"in the context limit of {limit}"
                     )
             for choice in range(body.n):
-                seed = secrets.randbits(63) if body.seed is None else body.seed + choice
+                seed = random_seed() if body.seed is None else (body.seed + choice) % 2**63
                 try:
                     params = checked_sampling(
                         limit,
@@ -120,33 +118,40 @@ class OpenAIApi:
                         top_p=body.top_p,
                         top_k=max(body.top_k, 0),
                         max_tokens=max_tokens,
-                        seed=seed % 2**63,
-                        stop_token_ids=tuple(body.stop_token_ids),
+                        seed=seed,
+                        stop_token_ids=body.stop_token_ids,
                     )
-                    stops = body.stops()
                 except BadRequest as error:
                     raise _invalid(str(error)) from None
                 request_id = f"{p}.{choice}.{uuid.uuid4().hex}"  # unique: nobody aborts it by id
                 owner, salt = f"http:{request_id}", self.keys.cache_salt(tenant)
                 submissions.append(
-                    self.router.submission(prompt, params, stops, request_id, owner, salt)
+                    self.router.submission(
+                        prompt, params, stops, request_id, owner, salt, tenant=share_tenant
+                    )
                 )
         return submissions, prompts
 
     async def events(self, submissions):
-        """(choice index, event) of every choice's request as they come; ends when all end."""
+        """(choice index, event) of every choice's request as they come; ends when all end.
+        The choices are admitted all or none: a refusal is the first and only event."""
+        try:
+            flights = self.router.admit(submissions)
+        except RequestError as error:
+            yield 0, error
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def run(index: int, submission) -> None:
+        async def run(index: int, flight) -> None:
             try:
-                async for event in self.router.generate(submission):
+                async for event in self.router.stream(flight):
                     queue.put_nowait((index, event))
             except RequestError as error:
                 queue.put_nowait((index, error))
             finally:
                 queue.put_nowait((index, None))
 
-        tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(submissions)]
+        tasks = [asyncio.create_task(run(i, f)) for i, f in enumerate(flights)]
         try:
             for _ in range(len(tasks)):
                 while (item := await queue.get())[1] is not None:
@@ -154,6 +159,8 @@ class OpenAIApi:
         finally:
             for task in tasks:
                 task.cancel()
+            for flight in flights:  # one whose task never started has no stream to close
+                flight.task.cancel()
 
     def usage(self, finished: dict[int, Finished], prompts: list[list[int]], n: int) -> dict:
         """OpenAI's usage: each prompt counted once (with its first choice's cache hits), the

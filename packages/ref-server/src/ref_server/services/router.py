@@ -1,12 +1,13 @@
 """The router's request flow, shared by its gRPC and HTTP APIs.
 
-    submission = router.submission(prompt, params, stops, request_id, owner, tenant, deadline)
+    submission = router.submission(prompt, params, stops, request_id, owner, salt, timeout)
     async for event in router.generate(submission): ...   # Tokens, then one Finished
 
-A request is admitted (at most `max_inflight` at once, else RESOURCE_EXHAUSTED at once), then
-runs as its own task: a prefill instance computes its KV and first token (the one caching the
-longest prefix of its prompt, unless the queues are uneven: `WorkerPool.pick_prefill`; what it
-found cached corrects the router's guess); then a decode instance with room reserves pages,
+A request is admitted (at most `max_inflight` at once, a tenant at most its `tenant_share` of
+them, else RESOURCE_EXHAUSTED at once; the choices of one HTTP request all or none: `admit`),
+then runs as its own task: a prefill instance computes its KV and first token (the one caching
+the longest prefix of its prompt, unless the queues are uneven: `WorkerPool.pick_prefill`; what
+it found cached corrects the router's guess); then a decode instance with room reserves pages,
 pulls the KV and streams the rest. Requests wait for decode room first come first served, for
 at most `queue_timeout_s` and never past their KV's lease. Without a client deadline a
 request runs up to `request_timeout_s`.
@@ -71,9 +72,18 @@ class ModelFacts:
 
 @dataclass
 class Limits:
-    max_inflight: int = 1024
-    request_timeout_s: float = 3600.0  # the ceiling of a request without a deadline
-    queue_timeout_s: float = 30.0  # how long a request may wait for decode room
+    """What the router admits; `ServeConfig` says what each is and its default."""
+
+    max_inflight: int
+    tenant_share: float
+    request_timeout_s: float
+    queue_timeout_s: float
+    max_prompts: int
+    max_choices: int
+    max_stops: int
+    max_stop_length: int
+    max_stop_token_ids: int
+    max_request_id_length: int
 
 
 @dataclass
@@ -85,6 +95,7 @@ class Submission:
     owner: str  # who may abort it: the API key's tenant, else the connection
     cache_salt: bytes
     deadline: float  # time.monotonic()
+    tenant: str  # whose share of max_inflight it takes: the API key's tenant, else the client
 
 
 @dataclass
@@ -107,8 +118,10 @@ class Flight:
     internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     stage: str = "prefill"  # then handoff (waiting for decode room, pulling), then decode
     task: asyncio.Task | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     aborted: bool = False
     completion: list[int] = field(default_factory=list)
+    last_token_at: float = 0.0  # time.monotonic()
     cached_tokens: int = 0
     prefills: list = field(default_factory=list)  # every instance asked to prefill it
 
@@ -176,14 +189,18 @@ class Router:
         owner: str,
         cache_salt: bytes = b"",
         timeout: float | None = None,
+        tenant: str | None = None,
     ) -> Submission:
-        """A checked request (RequestError INVALID_ARGUMENT naming what is wrong)."""
+        """A checked request (RequestError INVALID_ARGUMENT naming what is wrong); its tenant
+        is its owner unless told."""
         if not prompt:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
         bad = next((t for t in prompt if not 0 <= t < self.model.vocab_size), None)
         if bad is not None:
             message = f"token id {bad} outside [0, {self.model.vocab_size})"
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        if problem := self._stops_problem(stops, params.stop_token_ids):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if len(prompt) + params.max_tokens > self.model.max_model_len:
             message = (
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
@@ -193,26 +210,68 @@ class Router:
         ceiling = self.limits.request_timeout_s
         budget = ceiling if timeout is None else min(timeout, ceiling)
         deadline = time.monotonic() + budget
-        return Submission(prompt, params, list(stops), request_id, owner, cache_salt, deadline)
+        return Submission(
+            prompt, params, list(stops), request_id, owner, cache_salt, deadline, tenant or owner
+        )
 
-    async def generate(self, submission: Submission):
-        """The request's events: Tokens as they come, then Finished; RequestError on failure."""
-        key = (submission.owner, submission.request_id)
-        if len(self.inflight) >= self.limits.max_inflight:
-            self.metrics.requests.labels("resource_exhausted").inc()
-            message = f"{len(self.inflight)} requests in flight, the limit; retry later"
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, RETRY_AFTER_S)
-        if key in self.inflight:
-            message = f"request id {submission.request_id!r} is in flight"
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
-        flight = self.inflight[key] = Flight(submission)
+    def _stops_problem(self, stops: list[str], stop_token_ids: frozenset[int]) -> str | None:
+        limits, vocab = self.limits, self.model.vocab_size
+        if len(stops) > limits.max_stops:
+            return f"{len(stops)} stop strings, over the limit of {limits.max_stops} (max_stops)"
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_length:
+            return (
+                f"a stop string of {longest} characters, over the limit of "
+                f"{limits.max_stop_length} (max_stop_length)"
+            )
+        if len(stop_token_ids) > limits.max_stop_token_ids:
+            return (
+                f"{len(stop_token_ids)} distinct stop_token_ids, over the limit of "
+                f"{limits.max_stop_token_ids} (max_stop_token_ids)"
+            )
+        if bad := [t for t in stop_token_ids if not 0 <= t < vocab]:
+            return f"stop_token_ids: token id {min(bad)} outside [0, {vocab})"
+        return None
+
+    def admit(self, submissions: list[Submission]) -> list[Flight]:
+        """The flights of one client request's choices (one tenant's), every one running; or
+        none: RESOURCE_EXHAUSTED when they would pass `max_inflight` or the tenant's share of
+        it, INVALID_ARGUMENT for a request id in flight."""
+        limits, count, tenant = self.limits, len(submissions), submissions[0].tenant
+        share = max(1, int(limits.max_inflight * limits.tenant_share))
+        held = sum(f.submission.tenant == tenant for f in self.inflight.values())
+        refusal = None
+        if len(self.inflight) + count > limits.max_inflight:
+            refusal = (
+                f"{len(self.inflight)} requests in flight; {count} more would pass the limit of "
+                f"{limits.max_inflight} (max_inflight); retry later"
+            )
+        elif held + count > share:
+            refusal = (
+                f"this client has {held} requests in flight; {count} more would pass its share "
+                f"of {share} (tenant_share {limits.tenant_share:g} of max_inflight); retry later"
+            )
+        if refusal:
+            self.metrics.requests.labels("resource_exhausted").inc(count)
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, RETRY_AFTER_S)
+        for submission in submissions:
+            if (submission.owner, submission.request_id) in self.inflight:
+                message = f"request id {submission.request_id!r} is in flight"
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        flights = [Flight(submission) for submission in submissions]
+        for flight in flights:
+            self.inflight[(flight.submission.owner, flight.submission.request_id)] = flight
+            flight.task = asyncio.create_task(self._run(flight, flight.events))
+            flight.task.add_done_callback(lambda _, flight=flight: self._ended(flight))
         self.metrics.inflight.set(len(self.inflight))
-        events: asyncio.Queue = asyncio.Queue()
-        flight.task = asyncio.create_task(self._run(flight, events))
-        flight.task.add_done_callback(lambda _: self._ended(flight, events))
+        return flights
+
+    async def stream(self, flight: Flight):
+        """An admitted request's events: Tokens as they come, then Finished; RequestError on
+        failure. Closing it ends the request."""
         try:
             while True:
-                for event in _merged(await drained(events)):
+                for event in _merged(await drained(flight.events)):
                     if event is None:
                         return
                     if isinstance(event, RequestError):
@@ -220,6 +279,11 @@ class Router:
                     yield event
         finally:
             flight.task.cancel()  # the client went away: the task frees what it holds
+
+    def generate(self, submission: Submission):
+        """`stream` of the submission, admitted alone (RequestError at once if it is not)."""
+        (flight,) = self.admit([submission])
+        return self.stream(flight)
 
     async def close(self) -> None:
         """End every request in flight (the server is stopping)."""
@@ -259,14 +323,16 @@ class Router:
             prefill, first = await self._prefill(flight)
             self.metrics.ttft.observe(time.monotonic() - start)
             self._tokens(flight, text, events, [first.first_token])
-            finish = first.finish_reason or (pb.FINISH_REASON_STOP if text.stopped else None)
+            first_at = flight.last_token_at
+            # a stop string in the first token's text is the reason, even if it also ended there
+            finish = pb.FINISH_REASON_STOP if text.stopped else first.finish_reason or None
             if finish is None:
                 flight.stage = "handoff"
                 finish = await self._decode(flight, prefill, first, text, events)
             if not text.stopped and (tail := text.finish()):
                 events.put_nowait(Tokens([], tail))
             if len(flight.completion) > 1:
-                gap = (time.monotonic() - start) / len(flight.completion)
+                gap = (flight.last_token_at - first_at) / (len(flight.completion) - 1)
                 self.metrics.tpot.observe(gap)
             self.metrics.requests.labels("ok").inc()
             events.put_nowait(Finished(finish, self._usage(flight)))
@@ -286,21 +352,22 @@ class Router:
         if flight.aborted:
             events.put_nowait(Finished(pb.FINISH_REASON_ABORT, self._usage(flight)))
 
-    def _ended(self, flight: Flight, events: asyncio.Queue) -> None:
+    def _ended(self, flight: Flight) -> None:
         """However the request's task ended, even cancelled before it began (then `_run` never
         ran): its KV is released at every prefill instance asked (whatever the decode instance
         did, and even if a cancel overtook the prefill's answer), its slot freed, its events
         ended."""
         if flight.task.cancelled():
-            self._cancelled(flight, events)
+            self._cancelled(flight, flight.events)
         for worker in flight.prefills:
             background(self._release(worker, flight.internal_id))
         del self.inflight[(flight.submission.owner, flight.submission.request_id)]
         self.metrics.inflight.set(len(self.inflight))
-        events.put_nowait(None)
+        flight.events.put_nowait(None)
 
     def _tokens(self, flight: Flight, text: TextStream, events, token_ids: list[int]) -> None:
         flight.completion += token_ids
+        flight.last_token_at = time.monotonic()
         self.metrics.count_output(len(token_ids))
         events.put_nowait(Tokens(token_ids, text.add(token_ids)))
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import uuid
+from urllib.parse import unquote
 
 import grpc
 
@@ -12,29 +14,47 @@ from ref_server.services.security import ApiKeys, bearer
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]*")
 
-def caller(keys: ApiKeys, metadata, connection: str) -> tuple[str, bytes]:
-    """(owner, cache salt) of a call: the API key's tenant, else the connection. The gate
-    has let only good keys through."""
+
+def caller(keys: ApiKeys, metadata, peer: str) -> tuple[str, str, bytes]:
+    """(owner, tenant, cache salt) of a call: the owner is the API key's tenant, else the
+    connection; the tenant is the key's, else the client's address. The gate has let only
+    good keys through."""
     tenant = keys.check(bearer(metadata)) or ""
-    return (tenant or connection), keys.cache_salt(tenant)
+    return (tenant or peer), (tenant or client_address(peer)), keys.cache_salt(tenant)
+
+
+def client_address(peer: str) -> str:
+    """A gRPC peer's host as the HTTP API names it: "ipv4:10.0.0.1:5000" is 10.0.0.1,
+    "ipv6:%5B::1%5D:5000" ::1; any other peer as it is."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    return unquote(rest).rpartition(":")[0].strip("[]")
 
 
 class RouterService(rpc.RouterServicer):
-    def __init__(
-        self, router: Router, keys: ApiKeys, max_request_bytes: int, serving: callable
-    ) -> None:
+    def __init__(self, router: Router, keys: ApiKeys, serving: callable) -> None:
         self.router, self.keys = router, keys
-        self.max_request_bytes = max_request_bytes
         self.serving = serving
 
-    def _submission(self, request, context):
-        if request.ByteSize() > self.max_request_bytes:
+    def _checked_id(self, request_id: str) -> str:
+        """The client's request id (echoed in every message), or RequestError."""
+        limit = self.router.limits.max_request_id_length
+        if len(request_id) > limit:
             message = (
-                f"request of {request.ByteSize()} bytes is over the limit of "
-                f"{self.max_request_bytes}"
+                f"request_id of {len(request_id)} characters is over the limit of {limit} "
+                "(max_request_id_length)"
             )
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        if not REQUEST_ID.fullmatch(request_id):
+            message = "request_id may hold only A-Z, a-z, 0-9 and . _ : -"
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return request_id
+
+    def _submission(self, request, context):
+        request_id = self._checked_id(request.request_id) or uuid.uuid4().hex
         kind = request.WhichOneof("input")
         if kind is None:
             raise RequestError(
@@ -49,15 +69,16 @@ class RouterService(rpc.RouterServicer):
             params = sampling_params(request.sampling, model.max_model_len)
         except BadRequest as error:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        owner, salt = caller(self.keys, context.invocation_metadata(), context.peer())
+        owner, tenant, salt = caller(self.keys, context.invocation_metadata(), context.peer())
         return self.router.submission(
             prompt,
             params,
             list(request.sampling.stop),
-            request.request_id or uuid.uuid4().hex,
+            request_id,
             owner,
             salt,
             context.time_remaining(),
+            tenant,
         )
 
     async def Generate(self, request, context):
@@ -82,7 +103,11 @@ class RouterService(rpc.RouterServicer):
             await context.abort(error.code, error.message)
 
     async def Abort(self, request, context):
-        owner, _ = caller(self.keys, context.invocation_metadata(), context.peer())
+        try:
+            self._checked_id(request.request_id)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        owner, _, _ = caller(self.keys, context.invocation_metadata(), context.peer())
         if not self.router.abort(owner, request.request_id):
             message = f"no request {request.request_id!r} of this client is in flight"
             await context.abort(grpc.StatusCode.NOT_FOUND, message)

@@ -4,10 +4,12 @@
   the deployment's shared secret in their metadata; `--role all` generates one and hands it to
   its children through the environment (never on a command line, which `ps` shows).
 - The public API (the router's gRPC and HTTP) takes optional API keys. A key is also a tenant:
-  a client aborts only its own requests, and with `isolate_cache` prefix-cache hits stay within
-  one key (its pages are hashed with a salt derived from it).
+  a client aborts only its own requests, holds at most its share of the router's requests in
+  flight, and prefix-cache hits stay within one key (its pages are hashed with a salt derived
+  from it) unless `isolate_cache` is off.
 - TLS for the public API is a certificate and key in PEM files.
-Health checks are open everywhere: they tell nothing and orchestrators need them.
+Health checks are open everywhere: they tell nothing and orchestrators need them. A refused
+call's request is never parsed.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ def read_api_keys(path: str | None) -> frozenset[str]:
 
 
 def bearer(metadata: Iterable[tuple[str, str]] | None) -> str | None:
+    """The token of an `authorization: Bearer TOKEN` pair (the scheme in any case, RFC 7235)."""
     for key, value in metadata or ():
-        if key == "authorization" and value.startswith("Bearer "):
-            return value.removeprefix("Bearer ").strip()
+        scheme, _, token = value.partition(" ")
+        if key == "authorization" and scheme.lower() == "bearer":
+            return token.strip()
     return None
 
 
@@ -70,7 +74,7 @@ def _equal(given: str | None, expected: str) -> bool:
 class ApiKeys:
     """The public API's keys; with none configured, every caller is let in anonymously."""
 
-    def __init__(self, keys: frozenset[str], isolate_cache: bool = False) -> None:
+    def __init__(self, keys: frozenset[str], isolate_cache: bool = True) -> None:
         self.keys = keys
         self.isolate_cache = isolate_cache
 
@@ -92,6 +96,8 @@ class ApiKeys:
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
+    """A handler that refuses without parsing the request."""
+
     async def refuse(request, context):
         await context.abort(code, message)
 
@@ -99,13 +105,14 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
         await context.abort(code, message)
         yield  # pragma: no cover (a generator, as streaming handlers are)
 
+    def unread(data: bytes) -> None:
+        return None
+
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(
-            refuse_stream, handler.request_deserializer, handler.response_serializer
+            refuse_stream, unread, handler.response_serializer
         )
-    return grpc.unary_unary_rpc_method_handler(
-        refuse, handler.request_deserializer, handler.response_serializer
-    )
+    return grpc.unary_unary_rpc_method_handler(refuse, unread, handler.response_serializer)
 
 
 class Gate(grpc.aio.ServerInterceptor):

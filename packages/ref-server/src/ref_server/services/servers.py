@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -36,6 +37,7 @@ from ref_server.services.engine_loop import EngineLoop
 from ref_server.services.instance import DecodeService, InstanceService, PrefillService
 from ref_server.services.kv_transfer import MAX_MESSAGE_BYTES, KvPuller
 from ref_server.services.metrics import Metrics
+from ref_server.services.request_checks import RequestChecks
 from ref_server.services.router import Limits, ModelFacts, Router
 from ref_server.services.router_api import RouterService
 from ref_server.services.security import (
@@ -55,12 +57,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SUPERVISOR_ENV = "REF_SERVER_SUPERVISOR_PID"  # set by --role all for its children
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # grpcio shares a port with any other listener by default: a second server must fail instead
-    ("grpc.so_reuseport", 0),
-]
+# Requests this far over max_request_bytes still reach the router's check, which names the
+# limit; larger ones grpc refuses as they arrive (RESOURCE_EXHAUSTED).
+REQUEST_SLACK_BYTES = 64 << 10
 
 
 # ---------------------------------------------------------------- the model a config names
@@ -200,6 +199,29 @@ def health_names(*names: str) -> list[str]:
     return [*names, supervised_service(supervisor)] if supervisor else list(names)
 
 
+def grpc_server(config: ServeConfig, gates: list, max_request_bytes: int | None = None):
+    """An asyncio gRPC server behind `gates` that serves at most `max_concurrent_rpcs` calls
+    at once and refuses undecodable requests and, given `max_request_bytes`, larger ones. It
+    binds its port alone: grpcio's default would let a second server share it."""
+    if max_request_bytes is None:
+        receive = MAX_MESSAGE_BYTES
+    else:
+        receive = max_request_bytes + REQUEST_SLACK_BYTES
+    return grpc.aio.server(
+        interceptors=[*gates, RequestChecks(max_request_bytes)],
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", receive),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+
+
+def router_limits(config: ServeConfig) -> Limits:
+    return Limits(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Limits)})
+
+
 def _listen(server: grpc.aio.Server, config: ServeConfig, credentials=None) -> int:
     """The port bound (config.port, or a free one for 0)."""
     address = f"{config.host}:{config.port}"
@@ -264,7 +286,7 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
         rank=config.rank,
         ranks=config.ranks,
     )
-    server = grpc.aio.server(interceptors=[secret_gate(secret)], options=SERVER_OPTIONS)
+    server = grpc_server(config, [secret_gate(secret)])
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     if config.role == "prefill":
         rpc.add_InstanceServicer_to_server(InstanceService(loop, info), server)
@@ -328,11 +350,10 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
         ),
         prefix_index_pages=config.prefix_index_pages,
     )
-    limits = Limits(config.max_inflight, config.request_timeout_s, config.queue_timeout_s)
-    router = Router(pool, facts, tokenizer, metrics, limits)
+    router = Router(pool, facts, tokenizer, metrics, router_limits(config))
     gates = [api_key_gate(keys)] if keys.required else []
-    server = grpc.aio.server(interceptors=gates, options=SERVER_OPTIONS)
-    service = RouterService(router, keys, config.max_request_bytes, lambda: serving)
+    server = grpc_server(config, gates, config.max_request_bytes)
+    service = RouterService(router, keys, lambda: serving)
     rpc.add_RouterServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     names = [ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME]
