@@ -25,12 +25,13 @@ from ref_server.services.engine_loop import EngineLoop
 from ref_server.services.http_server import HttpServer, create_app
 from ref_server.services.kv_transfer import KvPuller
 from ref_server.services.metrics import Metrics
-from ref_server.services.router import Limits, RequestError, Router
+from ref_server.services.router import RequestError, Router
 from ref_server.services.security import ApiKeys, internal_channel
 from ref_server.services.servers import (
     model_args,
     model_facts,
     model_fingerprint,
+    router_limits,
     run_instance,
     scheduler_config,
 )
@@ -74,7 +75,7 @@ async def deployment(serving, http: bool = False, **overrides):
         interval=config.health_interval_s,
     )
     metrics = Metrics()
-    router = Router(pool, facts, tokenizer, metrics, Limits(max_inflight=config.max_inflight))
+    router = Router(pool, facts, tokenizer, metrics, router_limits(config))
     server = serving_http = None
     try:
         await pool.start()
