@@ -5,6 +5,7 @@ the schedules, cache hits, the fill window) and the command line's answers to ba
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import subprocess
@@ -276,9 +277,9 @@ def test_the_openai_api_gives_the_same_counts(deployment):
     workload = Workload(LengthSpec(20, 60), LengthSpec(4, 12), seed=12)
     modes = [Mode("concurrency", 3)]
     over_grpc = run_bench(grpc_target(deployment), workload, modes, requests=9)
-    over_http = run_bench(openai_target(deployment), workload, modes, 9, vocab_size=512)
-    assert over_http["api"] == "openai"
-    assert over_http["model"] == {"name": "tiny", "vocab_size": None, "max_model_len": 512}
+    over_http = run_bench(openai_target(deployment), workload, modes, 9)
+    assert over_http["api"] == "openai"  # /v1/models told the vocabulary
+    assert over_http["model"] == {"name": "tiny", "vocab_size": 512, "max_model_len": 512}
     [grpc_run], [http_run] = over_grpc["runs"], over_http["runs"]
     assert http_run["requests"]["errors"] == {}
     # the same prompts, greedy: the same tokens (the second time from the prefix cache)
@@ -333,10 +334,13 @@ def test_fill_mode_measures_the_window_in_which_all_decode(deployment):
     assert 2 * 8 <= http_run["window"]["output_tokens"] < http_run["tokens"]["output"]
 
 
-def test_refusals_are_counted_by_status(deployment):
-    # token ids up to 1000 against a vocabulary of 512: the server refuses every request
+def test_refusals_are_counted_by_status(deployment, monkeypatch):
+    # token ids up to 1000 against a vocabulary of 512 (as if the server did not tell it): the
+    # server refuses every request
     workload = Workload(LengthSpec(40, 40), LengthSpec(4, 4), seed=18)
     target = openai_target(deployment)
+    probe = target.probe
+    monkeypatch.setattr(target, "probe", lambda: dataclasses.replace(probe(), vocab_size=None))
     document = run_bench(target, workload, [Mode("concurrency", 2)], 4, vocab_size=1000)
     [run] = document["runs"]
     assert run["requests"]["ok"] == 0
@@ -442,10 +446,18 @@ def test_an_unreachable_address_is_one_line():
     assert f"cannot reach http://127.0.0.1:{port}/v1/models" in line
 
 
+def test_a_server_that_does_not_tell_its_vocabulary_needs_vocab_size(deployment, monkeypatch):
+    target = openai_target(deployment)
+    probe = target.probe
+    monkeypatch.setattr(target, "probe", lambda: dataclasses.replace(probe(), vocab_size=None))
+    workload = Workload(LengthSpec(4, 4), LengthSpec(2, 2), seed=1)
+    with pytest.raises(ValueError, match="--api openai needs --vocab-size"):
+        run_bench(target, workload, [Mode("concurrency", 1)], 1)
+    document = run_bench(target, workload, [Mode("concurrency", 1)], 1, vocab_size=512)
+    assert document["runs"][0]["requests"]["ok"] == 1
+
+
 def test_what_the_server_refuses_is_one_line(deployment):
-    url = f"http://127.0.0.1:{deployment.config.http_port}"
-    line = one_error_line(bench("--fill", "2", "--api", "openai", "--url", url))
-    assert "--api openai needs --vocab-size" in line
     line = one_error_line(
         bench("--fill", "2", "--address", deployment.address, "--prompt-tokens", "500")
     )

@@ -215,6 +215,7 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
             client.generate([5, 6, 7], temperature=0, max_tokens=4, timeout=10)
         assert down.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "decode" in down.value.details()
+        assert not re.search(r"127\.0\.0\.1|ipv4|:\d{4,5}", down.value.details())
         serving.wait_until(lambda: client.health() == "SERVING", 60, "the restarted decode")
         assert client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids == reference_ids(
             [5, 6, 7], 4
@@ -229,6 +230,7 @@ def test_health_follows_the_instances_and_the_supervisor_restarts_them(serving, 
             list(waiting)
         assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "prefill-0" in lost.value.details()
+        assert not re.search(r"127\.0\.0\.1|ipv4|:\d{4,5}", lost.value.details())
         decode = next(w for w in client.server_info().workers if w.role == "decode")
         assert decode.healthy
         busy.cancel()

@@ -596,6 +596,7 @@ def test_models_health_metrics_version_and_unknown_paths(oai, http):
     assert [(m.id, m.object, m.owned_by) for m in models.data] == [(MODEL, "model", "ref-server")]
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == 512
+    assert raw["data"][0]["vocab_size"] == 512
     assert isinstance(raw["data"][0]["created"], int)
     health = http.get("/health")
     assert (health.status_code, health.json()) == (200, {"status": "ok"})

@@ -32,7 +32,7 @@ SETTING_GROUPS = {
     "what runs, and where": (
         "role", "host", "port", "http_port", "prefill_instances", "decode_instances",
     ),
-    "model": ("preset", "model", "seed", "weight_dtype", "device"),
+    "model": ("preset", "model", "served_model_name", "seed", "weight_dtype", "device"),
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "kv_transfer", "two_batch", "two_batch_decode_tokens",
@@ -62,6 +62,7 @@ METAVARS = {
     "port": "PORT",
     "http_port": "PORT",
     "model": "DIR",
+    "served_model_name": "NAME",
     "device": "DEVICE",
     "max_request_bytes": "BYTES",
     "group_address": "HOST:PORT|env",
@@ -141,7 +142,7 @@ examples:
   ref-server bench --concurrency 1,8,64 --prompt-tokens 512 --output-tokens 128
   ref-server bench --rate 2,4,8 --prompt-tokens 256..2048 --shared-prefix 0.5 --plot curve.png
   ref-server bench --fill 128 --output-tokens 256 --json > fill.json
-  ref-server bench --api openai --url http://127.0.0.1:8000 --vocab-size 129280 --fill 64
+  ref-server bench --api openai --url http://127.0.0.1:8000 --fill 64
 
 Prompts are random token ids: the same seed sends the same prompts, so a second invocation
 against the same server finds them in its prefix cache; change --seed between invocations."""

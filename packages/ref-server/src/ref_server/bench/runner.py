@@ -93,15 +93,16 @@ def run_bench(
 ) -> dict:
     """The JSON document of a sweep (docs/ref-server.md): one run per mode, each with its own
     prompts (`Workload.requests(run=...)`). vocab_size: the range of prompt token ids, by
-    default the model's (gRPC tells it; the OpenAI API does not). console: a rich Console for
+    default the model's (gRPC tells it, and ref-server's /v1/models; another OpenAI server may
+    not). console: a rich Console for
     the progress bar (shown on terminals only)."""
     counts = [request_count(mode, workload, requests) for mode in modes]  # bad input first
     facts = target.probe()
     vocab = vocab_size or facts.vocab_size
     if vocab is None:
         raise ValueError(
-            "--api openai needs --vocab-size (the range of prompt token ids): the OpenAI API "
-            "does not tell the model's vocabulary"
+            "--api openai needs --vocab-size (the range of prompt token ids): this server's "
+            "/v1/models does not tell the model's vocabulary"
         )
     if facts.vocab_size and vocab > facts.vocab_size:
         raise ValueError(f"vocab size {vocab} is over the model's {facts.vocab_size}")

@@ -39,7 +39,7 @@ PROBE_TIMEOUT_S = 10
 @dataclass(frozen=True)
 class ModelFacts:
     name: str
-    vocab_size: int | None  # None where the API does not say (OpenAI)
+    vocab_size: int | None  # None where the API does not say (another OpenAI server)
     max_model_len: int | None
 
 
@@ -131,7 +131,8 @@ class OpenAITarget:
             self.model = card["id"]
         except (ValueError, KeyError, IndexError, TypeError):
             raise RuntimeError(f"{address} did not list a model: {answer.text[:200]}") from None
-        return ModelFacts(self.model, None, card.get("max_model_len"))
+        # vocab_size and max_model_len are extensions (ref-server's; vLLM's has the latter)
+        return ModelFacts(self.model, card.get("vocab_size"), card.get("max_model_len"))
 
     async def __aenter__(self) -> OpenAITarget:
         # no pool limit: httpx queues requests beyond 100 connections by default

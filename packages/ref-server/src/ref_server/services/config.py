@@ -42,6 +42,11 @@ class ServeConfig:
         None, "a Hugging Face DeepSeek-V3 checkpoint directory to load instead of a preset"
     )
     seed: int = _setting(0, "seed of a preset's random weights")
+    served_model_name: str | None = _setting(
+        None,
+        "the model's id in both APIs; none: the preset's name, or the checkpoint directory's "
+        "own name (never its path)",
+    )
     weight_dtype: str = _setting(
         "dense",
         "dense: weights in the compute dtype (bf16 on CUDA, float32 on CPU; FP8 checkpoints "
@@ -199,6 +204,8 @@ class ServeConfig:
             problems.append(
                 f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}"
             )
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            problems.append("served_model_name must not be empty")
         if self.log_level not in LOG_LEVELS:
             problems.append(
                 f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
@@ -254,6 +261,13 @@ class ServeConfig:
             problems.append("TLS needs both tls_cert and tls_key")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def model_name(self) -> str:
+        """The id clients see: never the checkpoint's path on this machine."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).resolve().name if self.model else self.preset
 
     def replace(self, **changes) -> ServeConfig:
         return dataclasses.replace(self, **changes)

@@ -97,6 +97,7 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
         "created": api.created,
         "owned_by": "ref-server",
         "max_model_len": router.model.max_model_len,
+        "vocab_size": router.model.vocab_size,  # so that token-id clients need not be told
     }
 
     @app.get("/v1/models")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -379,13 +380,17 @@ class Router:
         """A failed call to an instance, for the client (one line, never a traceback)."""
         code = error.code()
         details = first_line(error)
+        log.warning("%s at %s (%s): %s %s", hop, worker.name, worker.address, code.name,
+                    error.details())  # fmt: skip
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
             return RequestError(code, f"{hop}: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return RequestError(code, f"{hop}: {details}; retry later", RETRY_AFTER_S)
         if code == grpc.StatusCode.UNAVAILABLE:
             self.pool.failed(worker)
-        return RequestError(grpc.StatusCode.UNAVAILABLE, f"{hop} failed: {details}")
+        return RequestError(
+            grpc.StatusCode.UNAVAILABLE, f"{hop} at {worker.name} failed: {details}"
+        )
 
     async def _prefill(self, flight: Flight):
         """(instance, PrefillResponse); another instance when one is unreachable."""
@@ -418,7 +423,9 @@ class Router:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     self.pool.failed(worker)
                     tried.add(worker)
-                    unreachable = f"{worker.name} could not be reached: {first_line(error)}"
+                    log.warning("%s (%s) could not be reached: %s", worker.name,
+                                worker.address, error.details())  # fmt: skip
+                    unreachable = f"{worker.name} could not be reached"
                     continue
                 raise self._failure(worker, error, "prefill") from None
             finally:
@@ -489,7 +496,7 @@ class Router:
                     # the KV could not be had (or its prefill instance was dropped): not the
                     # decode instance's fault
                     self.metrics.transfer_failures.inc()
-                    message = f"the KV from {prefill.name}: {error.details()}"  # who lost it
+                    message = f"the KV from {prefill.name}: {first_line(error)}"  # who lost it
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, message) from None
                 raise self._failure(worker, error, "decode") from None
             finally:
@@ -516,6 +523,24 @@ class Router:
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended without a finish")
 
 
+# Codes whose details an instance of ours wrote (the rest are grpc's own: connection errors)
+AUTHORED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INTERNAL,
+}
+ADDRESS = re.compile(
+    r"(?:ipv4|ipv6|unix|dns):\S+|\[[0-9a-fA-F:.]+\]:\d+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+"
+)
+
+
 def first_line(error: grpc.aio.AioRpcError) -> str:
-    """An instance's error details as one line (its status code's name when it gave none)."""
-    return (error.details() or error.code().name).splitlines()[0]
+    """An instance's error as clients see it: one line, no address in it, and for errors
+    grpc itself wrote (an instance it could not reach) the code's name alone."""
+    if error.code() not in AUTHORED or not error.details():
+        return error.code().name.lower().replace("_", " ")
+    return ADDRESS.sub("<address>", error.details().splitlines()[0])

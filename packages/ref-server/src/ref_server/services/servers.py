@@ -172,7 +172,7 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
     args = model_args(config)
     tokenizer = M.load_tokenizer(args, config.model)
     facts = ModelFacts(
-        name=config.model or config.preset,
+        name=config.model_name,
         vocab_size=args.vocab_size,
         max_model_len=config.max_model_len,
         num_layers=args.num_hidden_layers,
@@ -276,7 +276,7 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
     args, cache = engine.model.args, engine.runner.cache
     info = pb.InstanceInfo(
         role=config.role,
-        model=config.model or config.preset,
+        model=config.model_name,
         model_fingerprint=model_fingerprint(config),
         num_layers=args.num_hidden_layers,
         page_size=cache.page_size,
