@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -362,3 +363,36 @@ def test_the_tokens_per_second_gauge_falls_to_zero_when_traffic_stops(monkeypatc
     assert rate() == 50 / 8.5
     clock.now += 2.0
     assert rate() == 0.0
+
+
+def test_every_finished_request_is_one_info_line_in_the_router_s_log(monkeypatch, caplog):
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(router_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    config = tiny_defaults()
+    facts, tokenizer = model_facts(config)
+    router = Router(None, facts, tokenizer, Metrics(), router_limits(config))
+
+    async def prefill(flight):
+        clock.now += 0.5
+        return None, pb.PrefillResponse(first_token=7, finish_reason=pb.FINISH_REASON_LENGTH)
+
+    router._prefill = prefill
+
+    async def run() -> None:
+        params = SamplingParams(max_tokens=1)
+        ok = router.submission([5, 6, 7], params, [], "first", "owner")
+        [_ async for _ in router.generate(ok)]
+        aborted = router.generate(router.submission([5], params, [], "second", "owner"))
+        router.abort("owner", "second")
+        [_ async for _ in aborted]
+
+    with caplog.at_level(logging.INFO, logger="ref_server.services.router"):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records if r.message.startswith("request ")]
+    assert len(lines) == 2
+    assert (
+        lines[0].startswith("request 'first' (") and " ok at prefill: 3 prompt tokens" in lines[0]
+    )
+    assert "1 output tokens, first token 0.500 s, 0.500 s in all" in lines[0]
+    assert lines[1].startswith("request 'second' (") and " abort at prefill: 1 prompt" in lines[1]
+    assert "0 output tokens, first token none" in lines[1]

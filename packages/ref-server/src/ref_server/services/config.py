@@ -184,8 +184,8 @@ class ServeConfig:
     )
     log_level: str = _setting(
         "info",
-        "the least severe log records each process writes to stderr: debug, info, warning or "
-        "error (demo: warning, so that no log line lands in the streamed text)",
+        "the least severe log records each process writes to stderr: debug, info (the router "
+        "also logs a line per finished request), warning or error (demo: warning)",
     )
 
     def __post_init__(self) -> None:

@@ -125,6 +125,9 @@ class Flight:
     last_token_at: float = 0.0  # time.monotonic()
     cached_tokens: int = 0
     prefills: list = field(default_factory=list)  # every instance asked to prefill it
+    admitted_at: float = field(default_factory=lambda: time.monotonic())
+    first_token_at: float | None = None
+    outcome: str = "cancelled"  # ok, abort, cancelled, or the error's code in lower case
 
 
 def _merged(events: list) -> list:
@@ -324,7 +327,7 @@ class Router:
             prefill, first = await self._prefill(flight)
             self.metrics.ttft.observe(time.monotonic() - start)
             self._tokens(flight, text, events, [first.first_token])
-            first_at = flight.last_token_at
+            first_at = flight.first_token_at = flight.last_token_at
             # a stop string in the first token's text is the reason, even if it also ended there
             finish = pb.FINISH_REASON_STOP if text.stopped else first.finish_reason or None
             if finish is None:
@@ -335,21 +338,25 @@ class Router:
             if len(flight.completion) > 1:
                 gap = (flight.last_token_at - first_at) / (len(flight.completion) - 1)
                 self.metrics.tpot.observe(gap)
-            self.metrics.requests.labels("ok").inc()
+            self._count(flight, "ok")
             events.put_nowait(Finished(finish, self._usage(flight)))
         except asyncio.CancelledError:
             self._cancelled(flight, events)
         except RequestError as error:
-            self.metrics.requests.labels(error.code.name.lower()).inc()
+            self._count(flight, error.code.name.lower())
             events.put_nowait(error)
         except Exception as error:
             log.exception("request %s failed", flight.internal_id)
-            self.metrics.requests.labels("internal").inc()
+            self._count(flight, "internal")
             events.put_nowait(RequestError(grpc.StatusCode.INTERNAL, one_line(error)))
+
+    def _count(self, flight: Flight, outcome: str) -> None:
+        flight.outcome = outcome
+        self.metrics.requests.labels(outcome).inc()
 
     def _cancelled(self, flight: Flight, events: asyncio.Queue) -> None:
         self.metrics.aborts.labels(flight.stage).inc()
-        self.metrics.requests.labels("abort" if flight.aborted else "cancelled").inc()
+        self._count(flight, "abort" if flight.aborted else "cancelled")
         if flight.aborted:
             events.put_nowait(Finished(pb.FINISH_REASON_ABORT, self._usage(flight)))
 
@@ -365,6 +372,7 @@ class Router:
         del self.inflight[(flight.submission.owner, flight.submission.request_id)]
         self.metrics.inflight.set(len(self.inflight))
         flight.events.put_nowait(None)
+        log.info("%s", access_line(flight))
 
     def _tokens(self, flight: Flight, text: TextStream, events, token_ids: list[int]) -> None:
         flight.completion += token_ids
@@ -536,6 +544,20 @@ AUTHORED = {
 ADDRESS = re.compile(
     r"(?:ipv4|ipv6|unix|dns):\S+|\[[0-9a-fA-F:.]+\]:\d+|\b\d{1,3}(?:\.\d{1,3}){3}:\d+"
 )
+
+
+def access_line(flight: Flight) -> str:
+    """A finished request, one line for the log: ids, outcome, tokens, times."""
+    submission, now = flight.submission, time.monotonic()
+    first = flight.first_token_at
+    ttft = f"{first - flight.admitted_at:.3f} s" if first is not None else "none"
+    return (
+        f"request {submission.request_id!r} ({flight.internal_id}, tenant "
+        f"{submission.tenant or '-'}) {flight.outcome} at {flight.stage}: "
+        f"{len(submission.prompt)} prompt tokens ({flight.cached_tokens} cached), "
+        f"{len(flight.completion)} output tokens, first token {ttft}, "
+        f"{now - flight.admitted_at:.3f} s in all"
+    )
 
 
 def first_line(error: grpc.aio.AioRpcError) -> str:
