@@ -17,6 +17,7 @@ from pathlib import Path
 from ref_server import __version__, economics
 from ref_server.services.config import (
     KV_TRANSFERS,
+    OVERLAP_STEPS,
     PRESET_NAMES,
     ROLES,
     TWO_BATCH,
@@ -35,7 +36,7 @@ SETTING_GROUPS = {
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "kv_transfer", "two_batch", "two_batch_decode_tokens",
-        "two_batch_prefill_tokens", "prefill_graph_tokens",
+        "two_batch_prefill_tokens", "prefill_graph_tokens", "overlap_steps",
     ),
     "router": (
         "prefill", "decode", "max_inflight", "max_request_bytes", "request_timeout_s",
@@ -70,6 +71,7 @@ CHOICES = {
     "role": ROLES,
     "preset": PRESET_NAMES,
     "two_batch": TWO_BATCH,
+    "overlap_steps": OVERLAP_STEPS,
     "kv_transfer": KV_TRANSFERS,
     "weight_dtype": WEIGHT_DTYPES,
 }
