@@ -3,7 +3,7 @@ the same finishes, one row more for a sequence that ends at a token, pages freed
 in flight can write them. On the CPU a step has run by the time it is launched, so what these
 check is the bookkeeping: which tokens are pending, which rows are dropped, which pages wait.
 
-Each test draws fresh prompts; the seed is in its failure message."""
+The tests on random prompts draw fresh ones; the seed is in their failure messages."""
 
 from __future__ import annotations
 
@@ -272,14 +272,15 @@ def test_held_pages_and_single_tokens_match_steps_in_turn(tiny):
         stop = stop_after(tiny.generate([prompt], SamplingParams(max_tokens=8))[0], 5)
         if stop is not None:
             break
-    requests = [
-        Request(prompt, SamplingParams(max_tokens=8, stop_token_ids=(stop,)), hold_pages=True),
-        *(
-            Request(random_prompt(rng, rng.randint(2, 60)), SamplingParams(max_tokens=1), a, True)
-            for a in range(0, 8, 2)
-        ),
-        *(Request(random_prompt(rng, 10), SamplingParams(max_tokens=12), a) for a in (0, 3)),
+    held_to_a_stop = SamplingParams(max_tokens=8, stop_token_ids=(stop,))
+    requests = [Request(prompt, held_to_a_stop, hold_pages=True)]
+    one_token = SamplingParams(max_tokens=1)
+    requests += [
+        Request(random_prompt(rng, rng.randint(2, 60)), one_token, arrival=a, hold_pages=True)
+        for a in range(0, 8, 2)
     ]
+    decoding = SamplingParams(max_tokens=12)
+    requests += [Request(random_prompt(rng, 10), decoding, arrival=a) for a in (0, 3)]
     config = SchedulerConfig(num_blocks=48, block_size=block, max_model_len=256)
     runs = {mode: drive(Engine(tiny, config, overlap_steps=mode), requests) for mode in OFF_ON}
     on, off = runs["on"], runs["off"]
