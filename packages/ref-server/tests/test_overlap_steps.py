@@ -61,11 +61,11 @@ def drive(engine: Engine, requests: list[Request], after_step=None) -> Run:
     run = Run(engine, {}, {}, Counter(), [])
     launch = engine.runner.launch  # run() launches too: steps in turn are counted alike
 
-    def counted(step, previous=None):
+    def counted(step, previous=None, **options):
         run.rows.update(seq.request_id for seq in step.seqs)
         pending = any(seq.pending for seq in step.seqs)
         run.launches.append((step.is_prefill, previous is not None, pending))
-        return launch(step, previous)
+        return launch(step, previous, **options)
 
     engine.runner.launch = counted
     waiting = sorted(enumerate(requests), key=lambda item: item[1].arrival)

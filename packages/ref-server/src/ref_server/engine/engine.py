@@ -144,7 +144,7 @@ class Engine:
             return self._read_in_flight() if self.in_flight else self._nothing_to_run()
         if not self.overlap_steps:
             return self.scheduler.advance(step, self.runner.run(step))
-        launched = self.runner.launch(step, self.in_flight)
+        launched = self.runner.launch(step, self.in_flight, read_later=True)
         self.scheduler.blocks.step_launched()
         updated = self._read_in_flight() if self.in_flight else []
         self.scheduler.computed(step)

@@ -11,10 +11,10 @@ through its normal mode. After every expert-parallel step the ranks check togeth
 exchange failed (`ExpertParallel.raise_if_failed`) before any token leaves; then, with `eplb`,
 the expert balancer counts the step and moves experts (`ExpertBalancer`).
 
-`run` is `launch` then `read`: a launched step is queued on the device with its sampled tokens'
-copy to the host behind it, and `read` waits for that copy only. An engine that overlaps its
-steps launches the next step before it reads the previous one: a token the host has not read
-yet (the sequence's `pending` one) is taken from the previous step's tokens on the device.
+`run` is `launch` then `read`. An engine that overlaps its steps launches the next step before
+it reads the previous one: a launch with `read_later` queues its sampled tokens' copy to the
+host behind it, so that `read` waits for that step alone, and a token the host has not read yet
+(the sequence's `pending` one) is taken from the previous step's tokens on the device.
 """
 
 from __future__ import annotations
@@ -53,18 +53,36 @@ class StepPlan:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device, with the copy of its sampled tokens to the host."""
+    """A step queued on the device, and what it samples."""
 
     step: Step
     sampling: list[int]  # the rows of step.seqs that sample (their chunk reaches their end)
-    tokens: torch.Tensor  # `[len(sampling)]` int64 on the device: what they sampled
-    host: torch.Tensor  # tokens on the host: on CUDA pinned memory, filled once `copied` is
-    copied: torch.cuda.Event | None  # None: on the CPU, where the step ran already
+    tokens: torch.Tensor | None  # `[len(sampling)]` int64 on the device; None: none samples
+    host: torch.Tensor | None = None  # `copy_to_host`'s pinned copy of tokens
+    done: torch.cuda.Event | None = None  # recorded behind the step and that copy
 
     @cached_property
     def rows(self) -> dict[Sequence, int]:
         """Each sampling sequence's row in `tokens`."""
         return {self.step.seqs[row]: i for i, row in enumerate(self.sampling)}
+
+    def copy_to_host(self) -> None:
+        """On CUDA: queue the tokens' copy to pinned host memory (which torch allocates for a
+        non-blocking copy from the device) and an event behind the step, so that `read` waits
+        for this step alone, not for those queued after it."""
+        if self.tokens is not None:
+            self.host = self.tokens.to("cpu", non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def read(self) -> list[int]:
+        """The tokens on the host, once the step is done (without `copy_to_host`: once every
+        step queued so far is, or at once where nothing samples)."""
+        if self.done is not None:
+            self.done.synchronize()
+        if self.tokens is None:
+            return []
+        return (self.tokens if self.host is None else self.host).tolist()
 
 
 class ModelRunner:
@@ -162,10 +180,13 @@ class ModelRunner:
         return self.read(self.launch(step))
 
     @torch.no_grad()
-    def launch(self, step: Step, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue `step` on the device, its sampled tokens' copy to the host behind it, and return
-        without waiting for either. previous: the step launched before, if its tokens are not
-        read yet (`prepare`). EPCommError as `run`."""
+    def launch(
+        self, step: Step, previous: LaunchedStep | None = None, read_later: bool = False
+    ) -> LaunchedStep:
+        """Queue `step` on the device and return without waiting for it. previous: the step
+        launched before, if its tokens are not read yet (`prepare`); read_later: the next step
+        will be launched before this one is read (`LaunchedStep.copy_to_host`). EPCommError as
+        `run`."""
         batch = self.prepare(step, previous)
         plan = self.plan(batch)
         if plan.bucket:
@@ -176,17 +197,16 @@ class ModelRunner:
             split = self._split(batch) if plan.two_batch else None
             logits = self.model.forward_step(batch, self.cache, split, plan.low_latency)
         launched = self._sample(step, logits)
+        if read_later and self.device.type == "cuda":
+            launched.copy_to_host()
         self._check_exchange()
         self._step_done()
         return launched
 
     def read(self, launched: LaunchedStep) -> list[int | None]:
-        """`run`'s tokens of a launched step, once its copy to the host is done (later steps may
-        still run)."""
-        if launched.copied is not None:
-            launched.copied.synchronize()
+        """`run`'s tokens of a launched step."""
         sampled = [None] * len(launched.step.seqs)
-        for row, token in zip(launched.sampling, launched.host.tolist(), strict=True):
+        for row, token in zip(launched.sampling, launched.read(), strict=True):
             sampled[row] = token
         return sampled
 
@@ -260,15 +280,12 @@ class ModelRunner:
             for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks, strict=True))
             if seq.num_computed + chunk == len(seq)
         ]
+        if not sampling:  # chunks inside prompts only
+            return LaunchedStep(step, sampling, None)
         seqs = [step.seqs[row] for row in sampling]
         rows = logits if len(sampling) == len(logits) else logits[sampling]  # decode: every row
         tokens = sample_on_device(rows, [s.params for s in seqs], [len(s) for s in seqs])
-        if tokens.device.type != "cuda":
-            return LaunchedStep(step, sampling, tokens, tokens, None)
-        host = tokens.to("cpu", non_blocking=True)  # into pinned memory, which torch allocates
-        copied = torch.cuda.Event()
-        copied.record()
-        return LaunchedStep(step, sampling, tokens, host, copied)
+        return LaunchedStep(step, sampling, tokens)
 
     def _check_exchange(self) -> None:
         """Every rank raises EPCommError if an exchange of this step failed on any rank."""
