@@ -2,7 +2,8 @@
 
     python benchmarks/bench_model.py [--preset v2-lite] [--layers N] [--prompt 512]
                                      [--batches 1,8,32,128,256] [--weight-dtype bf16|fp8]
-                                     [--profile] [--trace PATH] [--json results.json]
+                                     [--overlap-steps off|on] [--profile] [--trace PATH]
+                                     [--json results.json]
 
 Random weights from the preset (`--layers` keeps the first N layers, to fit a smaller device;
 the default on CPU is `tiny`); `--weight-dtype fp8` keeps the projections DeepSeek stores in
@@ -18,7 +19,9 @@ which moves only with the kernels, for A/B comparisons of kernel changes. The ra
 the graphs' figures where there are graphs. Then the same decode through an `Engine` as a
 server drives it (its scheduler, its runner's inputs and decode graphs, greedy sampling, the
 tokens back on the host): `batch` requests of `--prompt` random tokens, prefilled, then the
-median over `--steps` decode steps of each step's tokens per second.
+median over `--steps` decode steps of each step's tokens per second; `--overlap-steps on`
+queues each engine step before the previous one's tokens are read (`Engine(overlap_steps=)`),
+for an A/B against `off`.
 
 Roofline per step, from the same run's measured ceilings (a large matmul, a large copy):
 FLOPs = 2 x active parameters x tokens + attention (prefill: causal scores and values on the
@@ -234,7 +237,7 @@ def print_profile(step: str, batch: int, found: dict, top: int = 20) -> None:
             )
 
 
-def engine_decode_tok_s(model, batch: int, prompt: int, steps: int) -> float:
+def engine_decode_tok_s(model, batch: int, prompt: int, steps: int, overlap_steps: str) -> float:
     """Tokens per second of an `Engine`'s decode steps (see the module's docstring)."""
     page = 64
     longest = prompt + steps + 4
@@ -244,7 +247,7 @@ def engine_decode_tok_s(model, batch: int, prompt: int, steps: int) -> float:
         max_num_seqs=batch,
         max_model_len=longest,
     )
-    engine = Engine(model, config, prefill_graph_tokens=0)
+    engine = Engine(model, config, prefill_graph_tokens=0, overlap_steps=overlap_steps)
     vocab = model.args.vocab_size
     for _ in range(batch):
         engine.add(
@@ -269,7 +272,8 @@ def trace_path(trace: str | None, step: str) -> str | None:
 
 
 def run(
-    model, batch, prompt, steps, device, reps, graph_tokens, profiling=False, trace=None
+    model, batch, prompt, steps, device, reps, graph_tokens, overlap_steps, profiling=False,
+    trace=None,
 ):  # fmt: skip
     """Seconds of a prefill step (eager, and on CUDA from `PrefillGraphs` up to graph_tokens
     tokens) and of a decode step (eager; on CUDA from CUDA graphs, and the graph's replay alone,
@@ -333,7 +337,7 @@ def run(
             source += ": the profiler saw no kernels in a CUDA-graph replay"
         profiles["decode"] = profile_step(lambda: decode(eager), device, source, decode_trace)
     decode_s = (eager_s, graphs_s, replay_s)
-    engine_tok_s = engine_decode_tok_s(model, batch, prompt, steps)
+    engine_tok_s = engine_decode_tok_s(model, batch, prompt, steps, overlap_steps)
     return (prefill_s, prefill_graphs_s), decode_s, engine_tok_s, context, profiles, reached
 
 
@@ -352,6 +356,12 @@ def main() -> None:
         type=int,
         default=16384,
         help="time prefill steps of up to this many tokens from PrefillGraphs too (CUDA)",
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        choices=("off", "on"),
+        default="off",
+        help="the engine's column: each step queued before the previous one's tokens are read",
     )
     parser.add_argument("--profile", action="store_true", help="kernels of the first batch's steps")
     parser.add_argument("--trace", help="Chrome traces of the profiled steps (implies --profile)")
@@ -380,8 +390,8 @@ def main() -> None:
     print(
         f"model {options.preset} ({args.num_hidden_layers} layers, "
         f"{args.num_parameters() / 1e9:.2f} B parameters), {where}, {dtype}, {weights}; prompt "
-        f"{options.prompt}; measured ceilings: matmul {flops_peak / 1e12:.1f} TFLOP/s, "
-        f"copy {copy_peak / 1e9:.0f} GB/s"
+        f"{options.prompt}; engine steps overlapped: {options.overlap_steps}; measured "
+        f"ceilings: matmul {flops_peak / 1e12:.1f} TFLOP/s, copy {copy_peak / 1e9:.0f} GB/s"
     )
     if fp8:
         measured = f"{fp8_peak / 1e12:.1f} TFLOP/s" if fp8_peak else "not measured on the CPU"
@@ -405,6 +415,7 @@ def main() -> None:
             device,
             options.reps,
             options.prefill_graph_tokens,
+            options.overlap_steps,
             profiling=profiling and i == 0,
             trace=options.trace,
         )

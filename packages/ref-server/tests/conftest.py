@@ -1,6 +1,10 @@
 """Tiny DeepSeek-V3 checkpoints written by `transformers` (the independent reference), for
 tests through the `checkpoints` fixture; deployment helpers shared by the CPU and GPU serving
-tests through `serving`."""
+tests through `serving`.
+
+REF_SERVER_TEST_OVERLAP_STEPS=on runs the tests with overlapped engine steps wherever an engine
+leaves `overlap_steps` to "auto" and may overlap them: engines built in the test process, and
+instances started from `tiny_config`."""
 
 from __future__ import annotations
 
@@ -144,6 +148,26 @@ def generate_together(client: Client, requests: list[dict], timeout: float = 60)
         return list(pool.map(lambda kw: client.generate(timeout=timeout, **kw), requests))
 
 
+OVERLAP_STEPS_FORCED = os.environ.get("REF_SERVER_TEST_OVERLAP_STEPS") == "on"
+
+
+@pytest.fixture(autouse=True)
+def overlap_steps_forced(monkeypatch):
+    """With REF_SERVER_TEST_OVERLAP_STEPS=on, "auto" means "on" for every engine that allows it."""
+    if not OVERLAP_STEPS_FORCED:
+        return
+    from ref_server.engine import engine
+
+    built = engine.Engine.__init__
+
+    def build(self, model, config, overlap_steps="auto", **options):
+        if overlap_steps == "auto" and not engine.overlap_refusal(model, options.get("eplb")):
+            overlap_steps = "on"
+        built(self, model, config, overlap_steps, **options)
+
+    monkeypatch.setattr(engine.Engine, "__init__", build)
+
+
 def tiny_config(**overrides) -> ServeConfig:
     """The tiny preset on CPU, small pages (so prompts span several), free ports, health
     checked often (so tests see changes quickly)."""
@@ -159,7 +183,11 @@ def tiny_config(**overrides) -> ServeConfig:
         max_num_seqs=80,
         health_interval_s=0.25,
     )
-    return ServeConfig(**(values | overrides))
+    config = ServeConfig(**(values | overrides))
+    one_rank = config.ranks == 1 and not config.eplb_interval  # where "on" is allowed
+    if OVERLAP_STEPS_FORCED and config.overlap_steps == "auto" and one_rank:
+        return config.replace(overlap_steps="on")
+    return config
 
 
 def wait_until(condition, timeout: float, what: str):

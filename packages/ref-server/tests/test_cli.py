@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ref_server import __version__
-from ref_server.services.config import PRESET_NAMES, ROLES, TWO_BATCH, ServeConfig
+from ref_server.services.config import OVERLAP_STEPS, PRESET_NAMES, ROLES, TWO_BATCH, ServeConfig
 
 NO_TORCH = ("torch", "grpc", "fastapi", "rich")  # what building the parser must not import
 
@@ -358,6 +358,12 @@ def test_the_cli_knows_the_two_batch_modes():
         ServeConfig(two_batch="yes")
     with pytest.raises(ValueError, match="two_batch_decode_tokens must be >= 2"):
         ServeConfig(two_batch_decode_tokens=1)
+
+
+def test_the_cli_knows_the_overlap_steps_modes():
+    from ref_server.engine.engine import OVERLAP_STEPS_MODES
+
+    assert OVERLAP_STEPS_MODES == OVERLAP_STEPS
 
 
 def test_fp8_weights_are_a_serving_choice_and_part_of_the_fingerprint():

@@ -127,6 +127,37 @@ def test_engine_on_the_gpu_matches_one_process_generation():
     assert engine.generate(prompts, params) == model.generate(prompts, params)
 
 
+def test_overlapped_engine_steps_on_the_gpu_give_the_same_tokens():
+    """`overlap_steps="on"` against steps in turn on CUDA: prefill and decode from graphs, each
+    decode step's input tokens gathered on the device from the step before, greedy and seeded
+    requests arriving while others decode. Without an eos token and with room for every
+    request, both run the same batches, so the tokens are equal, not only near."""
+    args = dataclasses.replace(small_v2_lite(), eos_token_id=None)
+    model = M.from_args(args, seed=4, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(4)
+    lengths = (70, 9, 130, 33, 1, 300)
+    prompts = [torch.randint(2, 4096, (n,), generator=g).tolist() for n in lengths]
+    params = [
+        SamplingParams(max_tokens=20 + i, temperature=0.8 * (i % 2), top_p=0.9, seed=i)
+        for i in range(len(prompts))
+    ]
+    config = SchedulerConfig(num_blocks=64, block_size=64, max_num_seqs=16, max_model_len=512)
+    completions = {}
+    for mode in ("off", "on"):
+        engine = Engine(model, config, overlap_steps=mode, prefill_graph_tokens=512)
+        assert engine.runner.decode_graphs and engine.runner.prefill_graphs
+        seqs, calls = [], 0
+        while len(seqs) < len(prompts) or engine.has_work():
+            if calls % 3 == 0 and len(seqs) < len(prompts):  # one request every third step
+                seqs.append(engine.add(prompts[len(seqs)], params[len(seqs)]))
+            engine.step()
+            calls += 1
+        completions[mode] = [seq.completion for seq in seqs]
+        assert engine.scheduler.blocks.num_free == config.num_blocks
+    assert completions["on"] == completions["off"]
+    assert [len(c) for c in completions["on"]] == [p.max_tokens for p in params]
+
+
 def test_sampling_on_the_gpu_draws_what_the_cpu_draws():
     """The Gumbel noise is integer hashing: the same draws on either device."""
     logits = torch.randn(64, 102_400, generator=torch.Generator().manual_seed(9))

@@ -18,6 +18,7 @@ from ref_server import __version__, economics
 from ref_server.services.config import (
     KV_TRANSFERS,
     LOG_LEVELS,
+    OVERLAP_STEPS,
     PRESET_NAMES,
     ROLES,
     TWO_BATCH,
@@ -36,7 +37,7 @@ SETTING_GROUPS = {
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "kv_transfer", "two_batch", "two_batch_decode_tokens",
-        "two_batch_prefill_tokens", "prefill_graph_tokens",
+        "two_batch_prefill_tokens", "prefill_graph_tokens", "overlap_steps",
     ),
     "router": (
         "prefill", "decode", "health_interval_s", "health_failures", "cache_threshold",
@@ -77,6 +78,7 @@ CHOICES = {
     "role": ROLES,
     "preset": PRESET_NAMES,
     "two_batch": TWO_BATCH,
+    "overlap_steps": OVERLAP_STEPS,
     "kv_transfer": KV_TRANSFERS,
     "weight_dtype": WEIGHT_DTYPES,
     "log_level": LOG_LEVELS,

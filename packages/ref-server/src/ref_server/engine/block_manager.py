@@ -4,7 +4,8 @@ A full page is known by the hash of its tokens chained with its predecessor's ha
 hashes mean equal prefixes. The chain starts from the sequence's cache salt: requests of
 different salts (tenants) never share pages. Pages whose reference count drops to zero keep
 their contents and stay findable by hash until they are reused, least recently freed first
-(LRU).
+(LRU). A page freed while a step queued on the device may still write it (`step_launched`)
+is reused only once that step is done (`step_done`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class BlockManager:
         self.block_of: dict[bytes, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.cache_hits = 0  # prompt tokens served from the cache, in total
+        self.steps_launched = self.steps_done = 0  # steps queued on the device, steps finished
+        # freed pages that a step in flight may still write, each with the steps launched then
+        self.freed_in_flight: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -51,9 +55,33 @@ class BlockManager:
         return 1 - self.num_free / self.num_blocks
 
     def _take(self, block: int) -> None:
-        if self.ref_count[block] == 0:
-            del self.free[block]
+        self.free.pop(block, None)
+        self.freed_in_flight.pop(block, None)  # it holds cached tokens, which no step rewrites
         self.ref_count[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] > 0:
+            return
+        if self.steps_done < self.steps_launched:
+            self.freed_in_flight[block] = self.steps_launched
+        else:
+            self.free[block] = None
+
+    def step_launched(self) -> None:
+        """A step is queued on the device: pages freed from now on may still be written by it."""
+        self.steps_launched += 1
+
+    def step_done(self) -> None:
+        """The oldest step in flight has finished: pages freed before any later one was
+        launched are free."""
+        self.steps_done += 1
+        while self.freed_in_flight:
+            block, launched = next(iter(self.freed_in_flight.items()))
+            if launched > self.steps_done:
+                return
+            del self.freed_in_flight[block]
+            self.free[block] = None
 
     def _fresh(self) -> int:
         block, _ = self.free.popitem(last=False)  # the least recently freed
@@ -94,7 +122,7 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         cached = self._cached_pages(seq)
-        reusable_free = sum(1 for b in cached if self.ref_count[b] == 0)
+        reusable_free = sum(1 for b in cached if b in self.free)
         return seq.num_blocks(self.block_size) - len(cached) + reusable_free <= self.num_free
 
     def allocate(self, seq: Sequence) -> None:
@@ -113,12 +141,16 @@ class BlockManager:
         seq.num_registered = len(cached)
         self.cache_hits += seq.num_cached
 
+    def needs_page(self, seq: Sequence) -> bool:
+        """Whether seq's newest token is past its pages."""
+        return len(seq) > len(seq.block_table) * self.block_size
+
     def can_append(self, seq: Sequence) -> bool:
-        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free > 0
+        return not self.needs_page(seq) or self.num_free > 0
 
     def append(self, seq: Sequence) -> None:
         """Room for seq's newest token."""
-        if len(seq) > len(seq.block_table) * self.block_size:
+        if self.needs_page(seq):
             if not self.free:
                 raise MemoryError(f"no free page for {seq.request_id}")
             seq.block_table.append(self._fresh())
@@ -134,11 +166,14 @@ class BlockManager:
                 self.hash_of[block], self.block_of[h] = h, block
         seq.num_registered = max(seq.num_registered, len(hashes))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release seq's pages past those of its first num_tokens tokens."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):  # a prefix's tail is evicted before its head
+            self._release(block)
+        seq.block_table = seq.block_table[:keep]
+
     def deallocate(self, seq: Sequence) -> None:
         """Release seq's pages (cached contents stay findable until reused)."""
-        for block in reversed(seq.block_table):  # a prefix's tail is evicted before its head
-            self.ref_count[block] -= 1
-            if self.ref_count[block] == 0:
-                self.free[block] = None
-        seq.block_table = []
+        self.trim(seq, 0)
         seq.num_computed = seq.num_registered = 0

@@ -4,27 +4,60 @@ engine = Engine(model, SchedulerConfig(num_blocks=256))
 engine.add(prompt_ids, SamplingParams(max_tokens=32))
 while engine.has_work():
     for seq in engine.step(): ...   # each got a new token (seq.finish_reason when done)
+
+With overlapped steps (`overlap_steps="on"`), each step is queued on the device before the
+previous step's tokens are read, so the host's part of a step (schedule, prepare, read,
+advance) runs while the device computes. A step takes the tokens the host has not read yet
+from the device; `step` returns the sequences that got the previous step's tokens. A sequence
+that ends at eos or a stop token is known one step late: the step queued meanwhile computes a
+row for it that is dropped, and its pages are reused once that step is done. One that ends at
+max_tokens is known ahead and not scheduled again.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ref_server.engine.model_runner import ModelRunner
+from ref_server.engine.model_runner import LaunchedStep, ModelRunner
 from ref_server.engine.scheduler import Scheduler, SchedulerConfig
 from ref_server.engine.sequence import Sequence
 from ref_server.model.sampling import SamplingParams
 
+OVERLAP_STEPS_MODES = ("auto", "on", "off")
+
+
+def overlap_refusal(model, eplb) -> str | None:
+    """Why an engine of `model` (balancing its experts with `eplb`) cannot overlap its steps;
+    None: it can."""
+    if model.expert_parallel:
+        return "not with expert parallelism: the ranks agree on each step, after the last one's end"
+    if eplb:
+        return "not with expert balancing: it moves experts after each step, from the step's loads"
+    return None
+
 
 class Engine:
-    def __init__(self, model, config: SchedulerConfig, **runner_options) -> None:
-        """runner_options: `ModelRunner`'s (cache_dtype, two_batch, thresholds, eplb)."""
+    def __init__(
+        self, model, config: SchedulerConfig, overlap_steps: str = "auto", **runner_options
+    ) -> None:
+        """overlap_steps: "on" queues each step before the previous step's tokens are read (one
+        rank, no expert balancing); "auto" is "off" until that has been measured on a GPU.
+        runner_options: `ModelRunner`'s (cache_dtype, two_batch, thresholds, eplb)."""
+        if overlap_steps not in OVERLAP_STEPS_MODES:
+            raise ValueError(
+                f"overlap_steps must be one of {OVERLAP_STEPS_MODES}, got {overlap_steps!r}"
+            )
+        refusal = overlap_refusal(model, runner_options.get("eplb"))
+        if overlap_steps == "on" and refusal:
+            raise ValueError(f"overlap_steps on: {refusal}")
+        self.overlap_steps = overlap_steps == "on"
         self.model = model
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(model, config, **runner_options)
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run
+        self.in_flight: LaunchedStep | None = None  # queued on the device, its tokens not read
 
     def _sequence(self, prompt, params, request_id, hold_pages=False, cache_salt=b"") -> Sequence:
         vocab = self.model.args.vocab_size
@@ -97,20 +130,41 @@ class Engine:
         return sum(args.prefill_flops(s.num_uncomputed, s.num_computed) for s in queued)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """Schedule, run the model, advance: the sequences that got a token this step."""
+        """Schedule, run the model, advance: the sequences that got a token this step. With
+        overlapped steps: schedule, queue the step, read the previous one's tokens while it
+        runs, advance; the sequences that got those."""
+        if self.in_flight and self.scheduler.short_of_pages():
+            return self._read_in_flight()  # the next step preempts knowing who finished
         step = self.scheduler.schedule()
-        self.idle = step is None
+        self.idle = step is None and self.in_flight is None
         if step is None:
-            if self.model.expert_parallel:  # the peers' MoE layers exchange with this rank anyway
-                self.runner.idle()
-            blocked = self.scheduler.held or self.scheduler.reserved
-            if self.has_work() and not blocked:  # add() admits what fits an empty cache
-                raise RuntimeError("the scheduler found nothing to run while requests wait")
-            return []  # waiting for held or reserved pages to be freed
-        return self.scheduler.advance(step, self.runner.run(step))
+            return self._read_in_flight() if self.in_flight else self._nothing_to_run()
+        if not self.overlap_steps:
+            return self.scheduler.advance(step, self.runner.run(step))
+        launched = self.runner.launch(step, self.in_flight, read_later=True)
+        self.scheduler.blocks.step_launched()
+        updated = self._read_in_flight() if self.in_flight else []
+        self.scheduler.computed(step)
+        self.in_flight = launched
+        return updated
+
+    def _read_in_flight(self) -> list[Sequence]:
+        """The step in flight's tokens, waited for and taken by its sequences."""
+        launched, self.in_flight = self.in_flight, None
+        sampled = self.runner.read(launched)
+        self.scheduler.blocks.step_done()
+        return self.scheduler.received(launched.step, sampled)
+
+    def _nothing_to_run(self) -> list[Sequence]:
+        if self.model.expert_parallel:  # the peers' MoE layers exchange with this rank anyway
+            self.runner.idle()
+        blocked = self.scheduler.held or self.scheduler.reserved
+        if self.has_work() and not blocked:  # add() admits what fits an empty cache
+            raise RuntimeError("the scheduler found nothing to run while requests wait")
+        return []  # waiting for held or reserved pages to be freed
 
     def rebuild_exchange(self) -> list[Sequence]:
         """After an expert-parallel exchange failed (`ep_comm.EPCommError` from `step`, on

@@ -10,11 +10,17 @@ step's exchanges go through ep_comm's low-latency mode, which graphs can capture
 through its normal mode. After every expert-parallel step the ranks check together that no
 exchange failed (`ExpertParallel.raise_if_failed`) before any token leaves; then, with `eplb`,
 the expert balancer counts the step and moves experts (`ExpertBalancer`).
+
+`run` is `launch` then `read`. An engine that overlaps its steps launches the next step before
+it reads the previous one: a launch with `read_later` queues its sampled tokens' copy to the
+host behind it, so that `read` waits for that step alone, and a token the host has not read yet
+(the sequence's `pending` one) is taken from the previous step's tokens on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -24,10 +30,11 @@ from overlap_sched.gating import MODES, Thresholds, wants_overlap
 from overlap_sched.split import split_decode, split_prefill
 from ref_server.engine.expert_balancer import EplbConfig, ExpertBalancer
 from ref_server.engine.scheduler import SchedulerConfig, Step
+from ref_server.engine.sequence import Sequence
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.prefill_graphs import PrefillGraphs
-from ref_server.model.sampling import sample
+from ref_server.model.sampling import sample_on_device
 from ref_server.model.step import StepBatch
 
 TWO_BATCH_MODES = ("auto", "on", "off")
@@ -42,6 +49,40 @@ class StepPlan:
     two_batch: bool  # two microbatches overlapped
     low_latency: bool  # the MoE exchanges go through ep_comm's low-latency mode
     bucket: int | None  # the decode graph every rank replays; None: an eager step
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device, and what it samples."""
+
+    step: Step
+    sampling: list[int]  # the rows of step.seqs that sample (their chunk reaches their end)
+    tokens: torch.Tensor | None  # `[len(sampling)]` int64 on the device; None: none samples
+    host: torch.Tensor | None = None  # `copy_to_host`'s pinned copy of tokens
+    done: torch.cuda.Event | None = None  # recorded behind the step and that copy
+
+    @cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Each sampling sequence's row in `tokens`."""
+        return {self.step.seqs[row]: i for i, row in enumerate(self.sampling)}
+
+    def copy_to_host(self) -> None:
+        """On CUDA: queue the tokens' copy to pinned host memory (which torch allocates for a
+        non-blocking copy from the device) and an event behind the step, so that `read` waits
+        for this step alone, not for those queued after it."""
+        if self.tokens is not None:
+            self.host = self.tokens.to("cpu", non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def read(self) -> list[int]:
+        """The tokens on the host, once the step is done (without `copy_to_host`: once every
+        step queued so far is, or at once where nothing samples)."""
+        if self.done is not None:
+            self.done.synchronize()
+        if self.tokens is None:
+            return []
+        return (self.tokens if self.host is None else self.host).tolist()
 
 
 class ModelRunner:
@@ -101,26 +142,52 @@ class ModelRunner:
             two_batch_from=self.thresholds.decode if self.two_batch else None,
         )
 
-    def prepare(self, step: Step) -> StepBatch:
-        ids, context = [], []
+    def prepare(self, step: Step, previous: LaunchedStep | None = None) -> StepBatch:
+        """The step's `StepBatch`. A sequence's pending token (sampled by `previous`, the step
+        launched before this one, and not read yet) is taken from previous.tokens on the device."""
+        ids, context, pending = [], [], []
         for seq, chunk in zip(step.seqs, step.chunks, strict=True):
             ids += seq.tokens[seq.num_computed : seq.num_computed + chunk]
+            if seq.pending:  # its chunk is that one token
+                pending.append((len(ids), previous.rows[seq]))
+                ids.append(0)
             context.append(seq.num_computed + chunk)
         width = max(len(seq.block_table) for seq in step.seqs)
         rows = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
         # Through numpy: torch.tensor of nested lists took 0.14 ms at 128 sequences, numpy 0.04.
-        # ids stay on the CPU: a graph's inputs take them in its one copy, an eager step in its own
+        # ids stay on the CPU unless some are pending: a graph's inputs take them in its one
+        # copy, an eager step in its own
         table = torch.from_numpy(np.array(rows, dtype=np.int32))
-        return StepBatch(
-            torch.from_numpy(np.array(ids, dtype=np.int64)), list(step.chunks), context, table
-        )
+        ids = np.array(ids, dtype=np.int64)
+        input_ids = self._with_pending(ids, pending, previous) if pending else torch.from_numpy(ids)
+        return StepBatch(input_ids, list(step.chunks), context, table)
+
+    def _with_pending(self, ids: np.ndarray, pending: list[tuple[int, int]], previous):
+        """ids on the device, each pending (index, row) filled with previous.tokens[row] there:
+        the host never waits for the previous step."""
+        at, rows = np.array(pending, dtype=np.int64).T
+        host = torch.from_numpy(np.concatenate([ids, at, rows]))
+        if self.device.type == "cuda":  # a copy from pageable memory would wait for the device
+            host = host.pin_memory()
+        ids, at, rows = host.to(self.device, non_blocking=True).split([len(ids), len(at), len(at)])
+        return ids.index_copy(0, at, previous.tokens[rows])
 
     @torch.no_grad()
     def run(self, step: Step) -> list[int | None]:
         """The token sampled for each sequence whose chunk reaches its last token (None for
         chunks that end inside the tokens still to compute). EPCommError, on every rank, when
         an exchange of the step failed: then nothing was sampled."""
-        batch = self.prepare(step)
+        return self.read(self.launch(step))
+
+    @torch.no_grad()
+    def launch(
+        self, step: Step, previous: LaunchedStep | None = None, read_later: bool = False
+    ) -> LaunchedStep:
+        """Queue `step` on the device and return without waiting for it. previous: the step
+        launched before, if its tokens are not read yet (`prepare`); read_later: the next step
+        will be launched before this one is read (`LaunchedStep.copy_to_host`). EPCommError as
+        `run`."""
+        batch = self.prepare(step, previous)
         plan = self.plan(batch)
         if plan.bucket:
             logits = self.decode_graphs(batch, plan.bucket)
@@ -129,9 +196,18 @@ class ModelRunner:
         else:
             split = self._split(batch) if plan.two_batch else None
             logits = self.model.forward_step(batch, self.cache, split, plan.low_latency)
-        sampled = self._sample(step, logits)
+        launched = self._sample(step, logits)
+        if read_later and self.device.type == "cuda":
+            launched.copy_to_host()
         self._check_exchange()
         self._step_done()
+        return launched
+
+    def read(self, launched: LaunchedStep) -> list[int | None]:
+        """`run`'s tokens of a launched step."""
+        sampled = [None] * len(launched.step.seqs)
+        for row, token in zip(launched.sampling, launched.read(), strict=True):
+            sampled[row] = token
         return sampled
 
     @torch.no_grad()
@@ -198,20 +274,18 @@ class ModelRunner:
             return split_decode(batch.context_lens)
         return split_prefill(batch.query_lens, batch.context_lens)
 
-    def _sample(self, step: Step, logits: torch.Tensor) -> list[int | None]:
-        sampled = [None] * len(step.seqs)
-        done = [
+    def _sample(self, step: Step, logits: torch.Tensor) -> LaunchedStep:
+        sampling = [
             row
             for row, (seq, chunk) in enumerate(zip(step.seqs, step.chunks, strict=True))
             if seq.num_computed + chunk == len(seq)
         ]
-        if done:
-            seqs = [step.seqs[row] for row in done]
-            rows = logits if len(done) == len(logits) else logits[done]  # decode: every row
-            tokens = sample(rows, [s.params for s in seqs], [len(s) for s in seqs])
-            for row, token in zip(done, tokens, strict=True):
-                sampled[row] = token
-        return sampled
+        if not sampling:  # chunks inside prompts only
+            return LaunchedStep(step, sampling, None)
+        seqs = [step.seqs[row] for row in sampling]
+        rows = logits if len(sampling) == len(logits) else logits[sampling]  # decode: every row
+        tokens = sample_on_device(rows, [s.params for s in seqs], [len(s) for s in seqs])
+        return LaunchedStep(step, sampling, tokens)
 
     def _check_exchange(self) -> None:
         """Every rank raises EPCommError if an exchange of this step failed on any rank."""

@@ -6,6 +6,12 @@ prompt is spread over several steps: chunked prefill) or a decode step (one toke
 running sequence). Prefill goes first. When a decode step runs out of pages, the most recently
 admitted sequence is preempted: its pages are freed and it waits to be recomputed.
 
+A step's outcome comes in two halves: `computed` (its chunks are in the cache, the sequences
+that sample await a `pending` token) and `received` (the sampled tokens, read back; finishes
+are decided here). `advance` is both at once. An engine that overlaps its steps calls
+`computed` as it queues a step on the device and `received` a step later, so a sequence that
+ends is known one step late: a step queued meanwhile still has its row, which is dropped.
+
 A prefill instance keeps a finished sequence's pages (`held`) until a decode instance has
 copied them; a decode instance reserves pages for a sequence prefilled elsewhere (`reserved`)
 while its KV arrives, then starts it.
@@ -106,9 +112,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.pending = False  # aborted with a step in flight: its token is dropped
         if seq in self.running:
             self.running.remove(seq)
         if seq.hold_pages and reason is not FinishReason.ABORT:
+            # a step queued before its last token was read may have taken a page for the next
+            self.blocks.trim(seq, seq.num_computed)
             self.held[seq.request_id] = seq
         else:
             self.blocks.deallocate(seq)
@@ -173,10 +182,23 @@ class Scheduler:
             budget -= chunks[-1]
         return Step(seqs, chunks, is_prefill=True) if seqs else None
 
+    def short_of_pages(self) -> bool:
+        """Whether a decode step now would preempt: its sequences need more pages than are free."""
+        if self.blocks.num_free >= len(self.running):  # each needs one at most
+            return False
+        needed = sum(self._decodes(s) and self.blocks.needs_page(s) for s in self.running)
+        return needed > self.blocks.num_free
+
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        """Whether a decode step takes this running sequence: not one preempted for an earlier
+        one, nor one whose last token is sampled already (pending: it ends when read)."""
+        return seq.status is Status.RUNNING and not seq.reached_max_tokens
+
     def _decode(self) -> Step | None:
         seqs = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:  # preempted for an earlier one
+            if not self._decodes(seq):
                 continue
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]
@@ -196,18 +218,35 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def advance(self, step: Step, sampled: list[int | None]) -> list[Sequence]:
-        """After the model ran `step`: record computed tokens and each finished chunk's sampled
-        token (None for chunks that end inside a prompt); returns the sequences that got one."""
-        updated = []
-        for seq, chunk, token in zip(step.seqs, step.chunks, sampled, strict=True):
+        """After the model ran `step`: `computed`, then `received` with its sampled tokens (None
+        for chunks that end inside a prompt); returns the sequences that got one."""
+        self.computed(step)
+        return self.received(step, sampled)
+
+    def computed(self, step: Step) -> None:
+        """`step` ran, or is queued on the device: its chunks count as computed, and each
+        sequence whose chunk reaches its last token awaits the token the step samples. A
+        sequence that ended meanwhile stays as it ended (the step's row for it is dropped)."""
+        for seq, chunk in zip(step.seqs, step.chunks, strict=True):
+            if seq.status is Status.FINISHED:
+                continue
             seq.num_computed += chunk
             self.blocks.register_computed(seq)
-            if token is None:
+            seq.pending = seq.num_computed == len(seq)
+
+    def received(self, step: Step, sampled: list[int | None]) -> list[Sequence]:
+        """The tokens `step` sampled, read back (None for chunks that end inside a prompt): each
+        sequence still running takes its pending one and finishes at eos, a stop token or
+        max_tokens. Returns the sequences that got a token."""
+        updated = []
+        for seq, token in zip(step.seqs, sampled, strict=True):
+            if token is None or seq.status is Status.FINISHED:  # aborted after it was queued
                 continue
             seq.tokens.append(token)
+            seq.pending = False
             updated.append(seq)
             if token in seq.eos_ids or token in seq.params.stop_token_ids:
                 self.finish(seq, FinishReason.STOP)
-            elif seq.num_generated >= seq.params.max_tokens:
+            elif seq.reached_max_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return updated

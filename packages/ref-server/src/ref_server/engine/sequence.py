@@ -39,6 +39,7 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids
     hold_pages: bool = False  # keep the pages after finishing, until released (prefill role)
     cache_salt: bytes = b""  # seeds the page hashes: prefix-cache hits only within one salt
+    pending: bool = False  # one more token, sampled on the device, not read back yet (`__len__`)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -46,7 +47,8 @@ class Sequence:
         self.tokens = list(self.prompt)
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        """Its tokens, the pending one included: `tokens` holds those the host has read."""
+        return len(self.tokens) + self.pending
 
     @property
     def completion(self) -> list[int]:
@@ -54,16 +56,21 @@ class Sequence:
 
     @property
     def num_generated(self) -> int:
-        return len(self.tokens) - len(self.prompt)
+        return len(self) - len(self.prompt)
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """Every token it may generate is sampled (the last may still be pending)."""
+        return self.num_generated >= self.params.max_tokens
 
     @property
     def num_uncomputed(self) -> int:
         """Tokens whose KV is not in the cache yet: 1 while decoding (the newest token), more
         while (re)filling, e.g. the prompt, or everything after a preemption."""
-        return len(self.tokens) - self.num_computed
+        return len(self) - self.num_computed
 
     def num_blocks(self, block_size: int) -> int:
-        return -(-len(self.tokens) // block_size)
+        return -(-len(self) // block_size)
 
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         return self.tokens[index * block_size : (index + 1) * block_size]

@@ -50,9 +50,17 @@ class SamplingParams:
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
     """The token of each row of `logits` `[b, vocab]` float32, row i drawn with params[i] for
     position positions[i] of its sequence (the position the token will take)."""
+    return sample_on_device(logits, params, positions).tolist()
+
+
+def sample_on_device(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> torch.Tensor:
+    """`sample`'s tokens `[b]` int64 on the logits' device, queued behind them: the host does
+    not wait for the device."""
     drawn = [row for row, p in enumerate(params) if not p.greedy]
     if not drawn:  # top-k and top-p always keep the argmax
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     device = logits.device
     temperature = _to(device, [1.0 if p.greedy else p.temperature for p in params])
     scores = logits.float() / temperature.unsqueeze(-1)
@@ -60,7 +68,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         scores = _keep_top_k_top_p(scores, params)
     keys = [(params[r].seed * 1_000_003 + positions[r]) % 2**63 for r in drawn]
     scores[_to(device, drawn)] += _gumbel(_to(device, keys), scores.shape[1])
-    return scores.argmax(dim=-1).tolist()
+    return scores.argmax(dim=-1)
 
 
 def _to(device: torch.device, values: list) -> torch.Tensor:

@@ -12,6 +12,7 @@ from ref_server.config_file import read_toml
 
 ROLES = ("router", "prefill", "decode", "all")
 TWO_BATCH = ("auto", "on", "off")  # ref_server.engine.model_runner.TWO_BATCH_MODES
+OVERLAP_STEPS = ("auto", "on", "off")  # ref_server.engine.engine.OVERLAP_STEPS_MODES
 WEIGHT_DTYPES = ("dense", "fp8")
 KV_TRANSFERS = ("auto", "nixl", "cuda_ipc", "grpc")  # ref_server.services.kv_transfer.METHODS
 PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
@@ -82,6 +83,11 @@ class ServeConfig:
         4096,
         "the most new tokens of a prefill step replayed piecewise from CUDA graphs (CUDA, one "
         "rank; capped by --max-num-batched-tokens); 0: prefill runs eagerly",
+    )
+    overlap_steps: str = _setting(
+        "auto",
+        "queue each engine step on the device before the previous step's tokens are read, so "
+        "the host's part of a step runs beside the device's (on: one rank, no EPLB; auto: off)",
     )
     redundant_experts: int = _setting(
         0,
@@ -221,6 +227,13 @@ class ServeConfig:
                 )
         if self.prefill_graph_tokens < 0:
             problems.append(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
+        if self.overlap_steps not in OVERLAP_STEPS:
+            problems.append(
+                f"overlap_steps must be one of {', '.join(OVERLAP_STEPS)}, "
+                f"got {self.overlap_steps!r}"
+            )
+        if self.overlap_steps == "on" and (self.ranks > 1 or self.eplb_interval):
+            problems.append("overlap_steps on needs instances of one rank without EPLB")
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("port", "http_port"):

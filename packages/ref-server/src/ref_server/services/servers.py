@@ -403,5 +403,6 @@ def serve(config: ServeConfig) -> None:
         thresholds=thresholds,
         eplb=eplb(config),
         prefill_graph_tokens=config.prefill_graph_tokens,
+        overlap_steps=config.overlap_steps,
     )
     asyncio.run(run_instance(config, secret, engine, group))
