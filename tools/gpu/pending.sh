@@ -24,8 +24,40 @@ sources=$(printf "$root/packages/%s/src:" mla-kernels ep-comm overlap-sched ref-
 declare -A PENDING=(
   [mla-tests]="mla-kernels GPU tests (test_cuda.py): the kernel on every page size, dtype, FP8 cache, both narrow FP8 kernels"
   [mla-peer]="bench_decode.py --peer: every table of the 0.2 goals (uniform, mixed lengths, s_q 2-4, page sizes, FP8) under both timings, FlashMLA built beside"
+  [ep-tests]="ep-comm's GPU tests (CUDA IPC rings, NVSHMEM low-latency kernels): the FP8 cast and the low-latency contract moved modules (ep_comm.fp8, ep_comm.low_latency_backend)"
+  [ref-kernels]="ref-server's GPU tests of its kernels, expert_swiglu's fused epilogue (REF_SERVER_FUSED_SWIGLU) among them, then bench_expert_gemm.py's SwiGLU table"
+  [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy"
+  [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
 )
+
+ep-tests() {
+  python3 -m pytest -q -m gpu packages/ep-comm/tests
+}
+
+ref-kernels() {
+  local tests=packages/ref-server/tests
+  python3 -m pytest -q -m gpu $tests/test_{activation,norm,rope,router,moe,latent}_kernels.py \
+    $tests/test_expert_{gemm,sort,swiglu}.py $tests/test_fp8_{cast,gemm}.py \
+    $tests/test_static_inputs.py || return 1
+  python3 packages/ref-server/benchmarks/bench_expert_gemm.py --json "$logs/ref-kernels.json"
+}
+
+ref-model() {
+  local tests=packages/ref-server/tests
+  python3 -m pytest -q -m gpu $tests/test_{model,serving,two_batch,prefill_graphs}_gpu.py \
+    $tests/test_{prefill_attention,expert_balancing,expert_parallel_recovery}_gpu.py \
+    $tests/test_repro_run.py
+}
+
+ref-model-ab() {
+  local bench="python3 packages/ref-server/benchmarks/bench_model.py --batches 1,32,128 --steps 10"
+  echo "== as is" && $bench --json "$logs/ref-model-ab-base.json" &&
+    echo "== REF_SERVER_FUSED_SWIGLU=1" &&
+    REF_SERVER_FUSED_SWIGLU=1 $bench --json "$logs/ref-model-ab-swiglu.json" &&
+    echo "== --overlap-steps on" &&
+    $bench --overlap-steps on --json "$logs/ref-model-ab-overlap.json"
+}
 
 mla-tests() {
   python3 -m pytest -q -m gpu packages/mla-kernels/tests
