@@ -485,6 +485,41 @@ def test_a_bad_request_gets_400_and_a_message(http, path, body, message):
     assert "Traceback" not in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", dict(prompt=[]), "prompt"),
+        ("completions", dict(prompt=[9999]), "prompt"),
+        ("completions", dict(prompt=list(range(2, 502)), max_tokens=20), "prompt"),
+        ("completions", dict(prompt=[[5]] * 65), "prompt"),
+        ("completions", dict(prompt=[5], max_tokens=10**6), "max_tokens"),
+        ("completions", dict(prompt=[5], temperature=float("inf")), "temperature"),
+        ("completions", dict(prompt=[5], stop=[str(i) for i in range(17)]), "stop"),
+        ("completions", dict(prompt=[5], stop_token_ids=[-1]), "stop_token_ids"),
+        ("completions", dict(prompt=[5], n=65), "n"),
+        ("completions", dict(prompt=[5], logprobs=1), "logprobs"),
+        ("completions", dict(prompt=[5], top_p=2), "top_p"),
+        ("chat/completions", dict(messages=BIG_CHAT), "messages"),
+        (
+            "chat/completions",
+            dict(messages=STORY, max_completion_tokens=10**6),
+            "max_completion_tokens",
+        ),
+        (
+            "chat/completions",
+            dict(messages=STORY, response_format={"type": "json_object"}),
+            "response_format",
+        ),
+    ],
+)
+def test_a_400_names_the_field_at_fault_in_param(http, path, body, param):
+    response = http.post(
+        f"/v1/{path}", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
 def test_a_body_of_200000_prompts_is_refused_at_once(http):
     """About 1 MB of one-token prompts: refused by their count before any is validated, let
     alone tokenized or admitted (this took seconds, and /health waited behind it)."""

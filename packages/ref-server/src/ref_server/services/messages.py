@@ -31,7 +31,11 @@ DEFAULT_MAX_TOKENS = 16
 
 
 class BadRequest(ValueError):
-    """A request the client must fix: INVALID_ARGUMENT."""
+    """A request the client must fix: INVALID_ARGUMENT; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def random_seed() -> int:
@@ -44,13 +48,15 @@ def checked_sampling(max_tokens_limit: int, **fields) -> SamplingParams:
     first bad one."""
     max_tokens = fields["max_tokens"]
     if max_tokens <= 0:
-        raise BadRequest(f"max_tokens must be > 0, got {max_tokens}")
+        raise BadRequest(f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
     if max_tokens > max_tokens_limit:
-        raise BadRequest(f"max_tokens {max_tokens} is over the limit of {max_tokens_limit}")
+        message = f"max_tokens {max_tokens} is over the limit of {max_tokens_limit}"
+        raise BadRequest(message, "max_tokens")
     try:
         return SamplingParams(**fields)
-    except ValueError as error:
-        raise BadRequest(str(error)) from None
+    except ValueError as error:  # SamplingParams' messages begin with the field's name
+        field = str(error).split(" ", 1)[0].rstrip(":")
+        raise BadRequest(str(error), field if field in fields else None) from None
 
 
 def sampling_params(message: pb.SamplingParams, max_tokens_limit: int) -> SamplingParams:

@@ -34,18 +34,22 @@ HTTP_STATUS = {
 FINISH = {1: "stop", 2: "length", 3: "abort"}
 
 
-def error_body(status: int, kind: str, message: str) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error_body(status: int, kind: str, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def error_response(error: RequestError) -> JSONResponse:
     status, kind = HTTP_STATUS.get(error.code, (500, "server_error"))
     headers = {"Retry-After": f"{error.retry_after:g}"} if error.retry_after else None
-    return JSONResponse(error_body(status, kind, error.message), status, headers=headers)
+    body = error_body(status, kind, error.message, error.param)
+    return JSONResponse(body, status, headers=headers)
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _invalid(message: str, param: str | None) -> RequestError:
+    return RequestError(INVALID, message, param=param)
 
 
 class OpenAIApi:
@@ -71,9 +75,10 @@ class OpenAIApi:
                 return [tokenizer.encode(text, add_special_tokens=False)]
             prompts = body.prompts(self.router.limits.max_prompts)
         except ValueError as error:  # BadRequest among them
-            raise _invalid(str(error)) from None
+            field = "messages" if isinstance(body, ChatBody) else "prompt"
+            raise _invalid(str(error), getattr(error, "param", None) or field) from None
         if any(p in ("", []) for p in prompts):
-            raise _invalid("empty prompt")
+            raise _invalid("empty prompt", "prompt")
         if isinstance(prompts[0], str):
             return [tokenizer.encode(p) for p in prompts]
         return [list(p) for p in prompts]
@@ -87,7 +92,7 @@ class OpenAIApi:
             )
             raise RequestError(grpc.StatusCode.NOT_FOUND, message)
         if problem := body.unsupported():
-            raise _invalid(problem)
+            raise _invalid(problem, problem.split(" ", 1)[0])  # it begins with the field's name
         if body.model_extra:
             log.debug("ignored fields: %s", ", ".join(body.model_extra))
         prompts = self._prompts(body)
@@ -95,7 +100,8 @@ class OpenAIApi:
         if len(prompts) * body.n > most:
             raise _invalid(
                 f"{len(prompts) * body.n} choices (prompts x n: {len(prompts)} x {body.n}), over "
-                f"the limit of {most} (max_choices)"
+                f"the limit of {most} (max_choices)",
+                "n",
             )
         stops = body.stops()
         share_tenant = tenant or (request.client.host if request.client else "")
@@ -107,7 +113,8 @@ class OpenAIApi:
                 if max_tokens <= 0:
                     raise _invalid(
                         f"the prompt of {len(prompt)} tokens leaves no room for a completion "
-                        f"in the context limit of {limit}"
+                        f"in the context limit of {limit}",
+                        "messages",
                     )
             for choice in range(body.n):
                 seed = random_seed() if body.seed is None else (body.seed + choice) % 2**63
@@ -122,15 +129,29 @@ class OpenAIApi:
                         stop_token_ids=body.stop_token_ids,
                     )
                 except BadRequest as error:
-                    raise _invalid(str(error)) from None
+                    invalid = RequestError(INVALID, str(error), param=error.param)
+                    raise self._named(body, invalid) from None
                 request_id = f"{p}.{choice}.{uuid.uuid4().hex}"  # unique: nobody aborts it by id
                 owner, salt = f"http:{request_id}", self.keys.cache_salt(tenant)
-                submissions.append(
-                    self.router.submission(
+                try:
+                    submission = self.router.submission(
                         prompt, params, stops, request_id, owner, salt, tenant=share_tenant
                     )
-                )
+                except RequestError as error:
+                    raise self._named(body, error) from None
+                submissions.append(submission)
         return submissions, prompts
+
+    @staticmethod
+    def _named(body, error: RequestError) -> RequestError:
+        """The error with its field named as this body names it (a chat's prompt is its
+        messages; its max_tokens may be max_completion_tokens)."""
+        if isinstance(body, ChatBody):
+            if error.param == "prompt":
+                error.param = "messages"
+            elif error.param == "max_tokens" and body.max_completion_tokens:
+                error.param = "max_completion_tokens"
+        return error
 
     async def events(self, submissions):
         """(choice index, event) of every choice's request as they come; ends when all end.

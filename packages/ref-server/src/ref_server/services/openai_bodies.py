@@ -89,14 +89,14 @@ class CompletionBody(_Body):
             return [prompt]
         first = type(prompt[0])
         if first not in PROMPT_LISTS:
-            raise BadRequest(PROMPT_SHAPES)
+            raise BadRequest(PROMPT_SHAPES, "prompt")
         if first is not int and len(prompt) > max_prompts:
             message = f"{len(prompt)} prompts, over the limit of {max_prompts} (max_prompts)"
-            raise BadRequest(message)
+            raise BadRequest(message, "prompt")
         try:
             prompt = PROMPT_LISTS[first].validate_python(prompt)
         except ValidationError:
-            raise BadRequest(PROMPT_SHAPES) from None
+            raise BadRequest(PROMPT_SHAPES, "prompt") from None
         return [prompt] if first is int else prompt
 
 
@@ -108,7 +108,7 @@ class Message(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         if any(part.get("type") != "text" for part in self.content):
-            raise BadRequest("only text content parts are supported")
+            raise BadRequest("only text content parts are supported", "messages")
         return "".join(str(part.get("text", "")) for part in self.content)
 
 

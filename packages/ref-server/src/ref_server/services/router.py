@@ -54,9 +54,15 @@ RETRY_AFTER_S = 1.0
 class RequestError(Exception):
     """How a request failed, as a gRPC status (the HTTP API maps it to its own)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        retry_after: float | None = None,
+        param: str | None = None,  # the request field at fault, where one is
+    ):
         super().__init__(message)
-        self.code, self.message, self.retry_after = code, message, retry_after
+        self.code, self.message, self.retry_after, self.param = code, message, retry_after, param
 
 
 @dataclass
@@ -197,20 +203,22 @@ class Router:
     ) -> Submission:
         """A checked request (RequestError INVALID_ARGUMENT naming what is wrong); its tenant
         is its owner unless told."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
         if not prompt:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+            raise RequestError(invalid, "empty prompt", param="prompt")
         bad = next((t for t in prompt if not 0 <= t < self.model.vocab_size), None)
         if bad is not None:
             message = f"token id {bad} outside [0, {self.model.vocab_size})"
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+            raise RequestError(invalid, message, param="prompt")
         if problem := self._stops_problem(stops, params.stop_token_ids):
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            message, param = problem
+            raise RequestError(invalid, message, param=param)
         if len(prompt) + params.max_tokens > self.model.max_model_len:
             message = (
                 f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the "
                 f"context limit of {self.model.max_model_len}"
             )
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+            raise RequestError(invalid, message, param="prompt")
         ceiling = self.limits.request_timeout_s
         budget = ceiling if timeout is None else min(timeout, ceiling)
         deadline = time.monotonic() + budget
@@ -218,23 +226,29 @@ class Router:
             prompt, params, list(stops), request_id, owner, cache_salt, deadline, tenant or owner
         )
 
-    def _stops_problem(self, stops: list[str], stop_token_ids: frozenset[int]) -> str | None:
+    def _stops_problem(
+        self, stops: list[str], stop_token_ids: frozenset[int]
+    ) -> tuple[str, str] | None:
+        """(what is wrong, the field) when the stop strings or ids pass a limit."""
         limits, vocab = self.limits, self.model.vocab_size
         if len(stops) > limits.max_stops:
-            return f"{len(stops)} stop strings, over the limit of {limits.max_stops} (max_stops)"
+            message = f"{len(stops)} stop strings, over the limit of {limits.max_stops} (max_stops)"
+            return message, "stop"
         longest = max(map(len, stops), default=0)
         if longest > limits.max_stop_length:
-            return (
+            message = (
                 f"a stop string of {longest} characters, over the limit of "
                 f"{limits.max_stop_length} (max_stop_length)"
             )
+            return message, "stop"
         if len(stop_token_ids) > limits.max_stop_token_ids:
-            return (
+            message = (
                 f"{len(stop_token_ids)} distinct stop_token_ids, over the limit of "
                 f"{limits.max_stop_token_ids} (max_stop_token_ids)"
             )
+            return message, "stop_token_ids"
         if bad := [t for t in stop_token_ids if not 0 <= t < vocab]:
-            return f"stop_token_ids: token id {min(bad)} outside [0, {vocab})"
+            return f"stop_token_ids: token id {min(bad)} outside [0, {vocab})", "stop_token_ids"
         return None
 
     def admit(self, submissions: list[Submission]) -> list[Flight]:
