@@ -29,6 +29,7 @@ declare -A PENDING=(
   [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy"
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
+  [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
 ep-tests() {
@@ -82,6 +83,37 @@ mla-peer() {
 
 mla-fp8-registers() {
   peer-bench mla-fp8-registers --tables fp8,fp8-registers
+}
+
+# FlashMLA, DeepGEMM and DeepEP are built outside this repository, into $DEEPSEEK_LIBS
+# (packages/ref-server/NOTES.md); the parts whose library imports are compared, the others'
+# tests skip.
+deepseek-kernels() {
+  export PYTHONPATH=${DEEPSEEK_LIBS:+$DEEPSEEK_LIBS:}$PYTHONPATH
+  local found=() one_rank=() part module
+  for part in attention:flash_mla gemm:deep_gemm exchange:deep_ep; do
+    module=${part#*:}
+    if python3 -c "import $module" 2>/dev/null; then
+      found+=("$module")
+      [ "${part%%:*}" = exchange ] || one_rank+=("${part%%:*}")  # bench_model.py: one rank
+    else
+      echo "$module does not import: its tests skip"
+    fi
+  done
+  if [ ${#found[@]} -eq 0 ]; then
+    echo "none of flash_mla, deep_gemm, deep_ep imports: build them into DEEPSEEK_LIBS first (packages/ref-server/NOTES.md)"
+    return 1
+  fi
+  python3 -m pytest -q -m gpu packages/ref-server/tests/test_deepseek_kernels_gpu.py
+  local status=$?
+  if [ ${#one_rank[@]} -eq 0 ]; then
+    echo "only deep_ep imports: bench_model.py (one rank) has nothing of DeepSeek's to run"
+    return $status
+  fi
+  python3 packages/ref-server/benchmarks/bench_model.py --preset v2-lite --layers 9 \
+    --weight-dtype fp8 --batches 1,32,128 --kernels "ours,deepseek:$(IFS=,; echo "${one_rank[*]}")" \
+    --json "$logs/deepseek-kernels.json" || status=1
+  return $status
 }
 
 if [ $# -eq 0 ]; then

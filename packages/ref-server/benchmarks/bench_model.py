@@ -2,8 +2,8 @@
 
     python benchmarks/bench_model.py [--preset v2-lite] [--layers N] [--prompt 512]
                                      [--batches 1,8,32,128,256] [--weight-dtype bf16|fp8]
-                                     [--overlap-steps off|on] [--profile] [--trace PATH]
-                                     [--json results.json]
+                                     [--kernels ours,deepseek] [--overlap-steps off|on]
+                                     [--profile] [--trace PATH] [--json results.json]
 
 Random weights from the preset (`--layers` keeps the first N layers, to fit a smaller device;
 the default on CPU is `tiny`); `--weight-dtype fp8` keeps the projections DeepSeek stores in
@@ -42,6 +42,12 @@ mean the host bounds the step. The decode step is a replay of its CUDA graph, or
 the profiler sees no kernels in a replay, the eager step (the output says which).
 `--trace PATH` (implies `--profile`) also writes each step's Chrome trace, PATH with
 `-prefill` and `-decode` before its suffix.
+
+`--kernels ours,deepseek` runs the whole table once per kernel set (`kernels` of the model:
+ours, or DeepSeek's FlashMLA, DeepGEMM and DeepEP where the model has their parts; see
+docs/model.md), each model built from the same seed and fed the same random inputs, then sets
+the sets' figures side by side per batch with each one's speed over the first's. The JSON's
+rows say their set (`kernels`); `side_by_side` holds the comparison, `profile` each set's.
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import ref_server.model as M
 from ref_server.engine import Engine, SchedulerConfig
+from ref_server.kernel_choice import KernelsUnavailable, parse_list
 from ref_server.model import StepBatch
+from ref_server.model.kernels import resolve
 from ref_server.model.sampling import SamplingParams
 
 
@@ -341,64 +349,11 @@ def run(
     return (prefill_s, prefill_graphs_s), decode_s, engine_tok_s, context, profiles, reached
 
 
-def main() -> None:
-    cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="v2-lite" if cuda else "tiny")
-    parser.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--batches", default="1,8,32,128,256" if cuda else "1,4")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
-    parser.add_argument(
-        "--prefill-graph-tokens",
-        type=int,
-        default=16384,
-        help="time prefill steps of up to this many tokens from PrefillGraphs too (CUDA)",
-    )
-    parser.add_argument(
-        "--overlap-steps",
-        choices=("off", "on"),
-        default="off",
-        help="the engine's column: each step queued before the previous one's tokens are read",
-    )
-    parser.add_argument("--profile", action="store_true", help="kernels of the first batch's steps")
-    parser.add_argument("--trace", help="Chrome traces of the profiled steps (implies --profile)")
-    parser.add_argument("--json")
-    options = parser.parse_args()
-    profiling = options.profile or options.trace is not None
-    if options.trace:
-        Path(options.trace).parent.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    fp8 = options.weight_dtype == "fp8"
-    args = M.PRESETS[options.preset]
-    if options.layers:
-        args = dataclasses.replace(
-            args,
-            num_hidden_layers=options.layers,
-            first_k_dense_replace=min(args.first_k_dense_replace, options.layers),
-        )
-    model = M.from_args(
-        args, seed=0, dtype=dtype, device=device, weight_dtype="fp8" if fp8 else None
-    )
-    flops_peak, copy_peak = ceilings(device, dtype)
-    fp8_peak = fp8_ceiling(device) if fp8 and cuda else None
-    where = torch.cuda.get_device_name() if cuda else "CPU"
-    weights = "weights fp8 (e4m3, 128 x 128 block scales)" if fp8 else f"weights {dtype}"
-    print(
-        f"model {options.preset} ({args.num_hidden_layers} layers, "
-        f"{args.num_parameters() / 1e9:.2f} B parameters), {where}, {dtype}, {weights}; prompt "
-        f"{options.prompt}; engine steps overlapped: {options.overlap_steps}; measured "
-        f"ceilings: matmul {flops_peak / 1e12:.1f} TFLOP/s, copy {copy_peak / 1e9:.0f} GB/s"
-    )
-    if fp8:
-        measured = f"{fp8_peak / 1e12:.1f} TFLOP/s" if fp8_peak else "not measured on the CPU"
-        print(
-            f"the FP8 steps' roofline takes the {dtype} matmul ceiling (attention and the head "
-            f"stay {dtype}); an FP8 matmul (_scaled_mm, per-tensor scales): {measured}"
-        )
+def measure(model, options, device, ceiling, trace) -> tuple[list[dict], dict | None]:
+    """Every batch size of `options` through `model`, a row each, printed as a table; with
+    profiling, the first batch's profiles (trace: `--trace`'s path for them, or None)."""
+    args, (flops_peak, copy_peak) = model.args, ceiling
+    profiling = options.profile or trace is not None
     print(
         "batch | prefill tok/s: graphs | eager | roofline | ratio | decode tok/s: graphs | eager "
         "| roofline | ratio | GPU ms a step (replay) | engine tok/s | ratio "
@@ -417,7 +372,7 @@ def main() -> None:
             options.prefill_graph_tokens,
             options.overlap_steps,
             profiling=profiling and i == 0,
-            trace=options.trace,
+            trace=trace,
         )
         if profiles:
             profiled = dict(batch=batch, **profiles)
@@ -440,6 +395,7 @@ def main() -> None:
         prefill_eager = batch * options.prompt / prefill_eager_s
         rows.append(
             dict(
+                kernels=model.kernels.spec,
                 batch=batch,
                 prefill_tok_s=prefill,
                 prefill_eager_tok_s=prefill_eager,
@@ -467,14 +423,152 @@ def main() -> None:
     if profiled:
         for step in ("prefill", "decode"):
             print_profile(step, profiled["batch"], profiled[step])
+    return rows, profiled
+
+
+# The figures `side_by_side` sets beside each other: row key, heading, format.
+COMPARED = (
+    ("prefill_tok_s", "prefill tok/s", "{:9.0f}"),
+    ("decode_tok_s", "decode tok/s", "{:9.1f}"),
+    ("decode_replay_ms", "GPU ms a step", "{:9.3f}"),
+    ("decode_engine_tok_s", "engine tok/s", "{:9.1f}"),
+)
+
+
+def side_by_side(rows: list[dict], kernels: list[str]) -> list[dict]:
+    """Per batch, each figure of `COMPARED` for every kernel set and each set's ratio to the
+    first's (of a time, the first's over its: above 1 is faster), printed as a table."""
+    first = kernels[0]
+    table = []
+    batches = dict.fromkeys(row["batch"] for row in rows)
+    header = ["batch"]
+    for _, heading, _ in COMPARED:
+        header += [f"{heading}: {name}" for name in kernels]
+        header += [f"speed {name} / {first}" for name in kernels[1:]]
+    print("\n" + " | ".join(header))
+    for batch in batches:
+        of = {row["kernels"]: row for row in rows if row["batch"] == batch}
+        entry, cells = dict(batch=batch), [f"{batch:5d}"]
+        for key, _, form in COMPARED:
+            values = {name: of[name][key] for name in kernels}
+            cells += [form.format(v) if v else f"{'-':>9}" for v in values.values()]
+            for name in kernels[1:]:
+                mine, theirs = values[name], values[first]
+                ratio = None
+                if mine and theirs:
+                    ratio = theirs / mine if key.endswith("_ms") else mine / theirs
+                entry[f"{key}_{name}_over_{first}"] = ratio
+                cells.append(f"{ratio:6.3f}" if ratio else f"{'-':>6}")
+            entry |= {f"{key}_{name}": value for name, value in values.items()}
+        print(" | ".join(cells))
+        table.append(entry)
+    return table
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="v2-lite" if cuda else "tiny")
+    parser.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--batches", default="1,8,32,128,256" if cuda else "1,4")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument(
+        "--kernels",
+        default="ours",
+        help="kernel sets to run in turn, side by side (ours, deepseek, deepseek:PART[,PART]; "
+        "e.g. ours,deepseek)",
+    )
+    parser.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=16384,
+        help="time prefill steps of up to this many tokens from PrefillGraphs too (CUDA)",
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        choices=("off", "on"),
+        default="off",
+        help="the engine's column: each step queued before the previous one's tokens are read",
+    )
+    parser.add_argument("--profile", action="store_true", help="kernels of the first batch's steps")
+    parser.add_argument("--trace", help="Chrome traces of the profiled steps (implies --profile)")
+    parser.add_argument("--json")
+    options = parser.parse_args()
+    if options.trace:
+        Path(options.trace).parent.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    fp8 = options.weight_dtype == "fp8"
+    args = M.PRESETS[options.preset]
+    if options.layers:
+        args = dataclasses.replace(
+            args,
+            num_hidden_layers=options.layers,
+            first_k_dense_replace=min(args.first_k_dense_replace, options.layers),
+        )
+    try:  # every set's libraries before the first set's minutes of measuring
+        kernels = [choice.spec for choice in parse_list(options.kernels)]
+        for spec in kernels:
+            resolve(spec, device=device, dtype=dtype, fp8=fp8, expert_parallel=False)
+    except (ValueError, KernelsUnavailable) as error:
+        parser.error(f"--kernels: {error}")
+    flops_peak, copy_peak = ceilings(device, dtype)
+    fp8_peak = fp8_ceiling(device) if fp8 and cuda else None
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    weights = "weights fp8 (e4m3, 128 x 128 block scales)" if fp8 else f"weights {dtype}"
+    print(
+        f"model {options.preset} ({args.num_hidden_layers} layers, "
+        f"{args.num_parameters() / 1e9:.2f} B parameters), {where}, {dtype}, {weights}; prompt "
+        f"{options.prompt}; engine steps overlapped: {options.overlap_steps}; measured "
+        f"ceilings: matmul {flops_peak / 1e12:.1f} TFLOP/s, copy {copy_peak / 1e9:.0f} GB/s"
+    )
+    if fp8:
+        measured = f"{fp8_peak / 1e12:.1f} TFLOP/s" if fp8_peak else "not measured on the CPU"
+        print(
+            f"the FP8 steps' roofline takes the {dtype} matmul ceiling (attention and the head "
+            f"stay {dtype}); an FP8 matmul (_scaled_mm, per-tensor scales): {measured}"
+        )
+    rows, profiles, described = [], {}, []
+    for spec in kernels:
+        torch.manual_seed(0)  # the same inputs for every set (and the same weights: seed 0)
+        model = M.from_args(
+            args,
+            seed=0,
+            dtype=dtype,
+            device=device,
+            weight_dtype="fp8" if fp8 else None,
+            kernels=spec,
+        )
+        described.append(model.kernels.describe())
+        print(f"\nkernels {described[-1]}")
+        trace = options.trace
+        if trace and len(kernels) > 1:
+            trace = trace_path(trace, spec.replace(":", "-").replace(",", "-"))
+        found, profiled = measure(model, options, device, (flops_peak, copy_peak), trace)
+        rows += found
+        if profiled:
+            profiles[spec] = profiled
+        del model
+        if cuda:
+            torch.cuda.empty_cache()  # the next set's model in this one's place
+    comparison = side_by_side(rows, kernels) if len(kernels) > 1 else None
     if options.json:
         document = dict(
-            vars(options), device=where, matmul_flops=flops_peak, copy_bytes_s=copy_peak
+            vars(options),
+            device=where,
+            matmul_flops=flops_peak,
+            copy_bytes_s=copy_peak,
+            kernel_sets=described,
         )
         if fp8_peak:
             document["matmul_flops_fp8"] = fp8_peak
-        if profiled:
-            document["profile"] = profiled
+        if profiles:
+            document["profile"] = profiles
+        if comparison:
+            document["side_by_side"] = comparison
         with open(options.json, "w") as f:
             json.dump(document | {"rows": rows}, f, indent=1)
 

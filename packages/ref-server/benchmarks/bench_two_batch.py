@@ -86,9 +86,8 @@ def slowest(value: float) -> float:
 def trace_of(model, batch, cache, split, out: Path | None, label: str) -> dict:
     """One eager step recorded op by op: the trace's summary (and its JSON and PNG in out)."""
     recorder = Recorder(rank=dist.get_rank())
-    heads = model.args.num_attention_heads
     parts = [batch] if split is None else batch.split(split)
-    inputs = [(p.input_ids, p.metadata(cache, heads)) for p in parts]
+    inputs = [(p.input_ids, p.metadata(cache)) for p in parts]
     model.run_step(inputs, cache, "decode" if batch.is_decode else "prefill", recorder=recorder)
     events = recorder.events()
     gathered = [None] * dist.get_world_size()

@@ -423,6 +423,42 @@ def low_latency_graphs_match_eager(rank: int, world: int, group, path: str) -> N
         torch.testing.assert_close(replays[1], replays[0], rtol=2e-2, atol=2e-2)
 
 
+def deep_ep_exchanges_as_ep_comm(rank: int, world: int, group, path: str) -> None:
+    """DeepEP's buffer (kernels "deepseek:exchange", a GPU per rank) against ep_comm's over the
+    same ranks: a prefill through the normal mode, then decode steps through the low-latency
+    mode, eagerly and replayed from decode graphs, give ep_comm's logits within bf16 rounding
+    (the two sum a token's expert rows in their own orders)."""
+    theirs, ours = (
+        M.from_pretrained(path, dtype=torch.bfloat16, device="cuda", group=group, kernels=kernels)
+        for kernels in ("deepseek:exchange", "ours")
+    )
+    assert theirs.expert_parallel.deep_ep is not None and ours.expert_parallel.deep_ep is None
+    for model in (theirs, ours):
+        assert model.expert_parallel.use_low_latency(8, model.args.num_experts_per_tok)
+    g = torch.Generator().manual_seed(90 + rank)
+    lengths = [int(n) for n in torch.randint(1, 90, (3 + rank,), generator=g)]
+    table = torch.arange(2 * len(lengths), dtype=torch.int32).view(-1, 2)
+    steps = [
+        StepBatch(
+            torch.randint(2, 300, (sum(lengths),), generator=g).cuda(), lengths, lengths, table
+        )
+    ]
+    for i in range(1, 3):
+        ids = torch.randint(2, 300, (len(lengths),), generator=g).cuda()
+        steps.append(StepBatch(ids, [1] * len(lengths), [n + i for n in lengths], table))
+    caches = [M.PagedKVCache(m.args, 2 * len(lengths), 64, device="cuda") for m in (theirs, ours)]
+    for batch in steps:
+        got, want = (m.forward_step(batch, c) for m, c in zip((theirs, ours), caches, strict=True))
+        assert_close_logits(got, want, 3e-2)
+    graphs = M.DecodeGraphs(theirs, caches[0], max_batch=8, max_blocks=2)
+    last = steps[-1]
+    following = StepBatch(
+        last.input_ids, last.query_lens, [n + 1 for n in last.context_lens], table
+    )
+    replayed = graphs(following, bucket=8).clone()  # every rank the same bucket
+    assert_close_logits(replayed, ours.forward_step(following, caches[1]), 3e-2)
+
+
 def greedy_steps(model, prompt: list[int], steps: int) -> list[int]:
     """`steps` greedy tokens after `prompt` through the paged cache: a prefill, then decode
     steps (no eos: every rank runs the same number of steps)."""

@@ -32,7 +32,7 @@ def ragged_batch(lengths, page: int, seed: int = 0) -> StepBatch:
 def test_prefill_metadata_lists_every_context_row_and_the_sequences_bounds():
     page = 4
     batch = ragged_batch(LENGTHS, page)
-    step = batch.metadata(SimpleNamespace(device=torch.device("cpu"), page_size=page), heads=4)
+    step = batch.metadata(SimpleNamespace(device=torch.device("cpu"), page_size=page))
     table = batch.block_table.tolist()
     rows = [
         [table[s][p // page] * page + p % page for p in range(context)]
@@ -56,7 +56,7 @@ def test_prefill_metadata_lists_every_context_row_and_the_sequences_bounds():
 
 def test_decode_metadata_comes_through_the_same_copy():
     batch = StepBatch(torch.tensor([3, 4]), [1, 1], [7, 2], torch.tensor([[2, 0], [1, 3]]).int())
-    step = batch.metadata(SimpleNamespace(device=torch.device("cpu"), page_size=4), heads=4)
+    step = batch.metadata(SimpleNamespace(device=torch.device("cpu"), page_size=4))
     assert step.is_decode and step.context_rows is None
     assert step.positions.tolist() == [6, 1] and step.slot_mapping.tolist() == [2, 5]
     assert step.block_table.dtype == torch.int32 and step.cache_seqlens.tolist() == [7, 2]
@@ -92,7 +92,7 @@ def test_prefill_attention_matches_float64_per_sequence_math(dtype, tolerance):
     blocks = batch.block_table.numel()
     cache = torch.randn(blocks + 1, page, 1, ARGS.cache_width).bfloat16()
     q = torch.randn(batch.num_tokens, ARGS.num_attention_heads, ARGS.qk_head_dim).to(dtype)
-    step = batch.metadata(SimpleNamespace(device=torch.device("cpu"), page_size=page), heads=4)
+    step = batch.metadata(SimpleNamespace(device=torch.device("cpu"), page_size=page))
     with torch.no_grad():
         got = attention._prefill_from_cache(q, cache, step)
         want = reference_prefill(attention, q, cache, batch)

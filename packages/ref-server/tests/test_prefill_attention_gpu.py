@@ -68,7 +68,7 @@ def prefill_inputs(dtype, seed: int = 0):
     cache = torch.randn(batch.block_table.numel() + 1, PAGE, 1, ARGS.cache_width, device="cuda")
     q = torch.randn(batch.num_tokens, ARGS.num_attention_heads, ARGS.qk_head_dim, device="cuda")
     pages = SimpleNamespace(device=torch.device("cuda"), page_size=PAGE)
-    step = batch.metadata(pages, ARGS.num_attention_heads)
+    step = batch.metadata(pages)
     return attention, q.to(dtype), cache.bfloat16(), batch, step
 
 

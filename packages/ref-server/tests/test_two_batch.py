@@ -80,10 +80,7 @@ def test_decode_runs_five_stages_per_moe_layer_in_sglangs_order(model):
     )
     recorder = Recorder(cuda=False)
     model.run_step(
-        [
-            (p.input_ids, p.metadata(cache, 4))
-            for p in decode.split(split_decode(decode.context_lens))
-        ],
+        [(p.input_ids, p.metadata(cache)) for p in decode.split(split_decode(decode.context_lens))],
         cache,
         "decode",
         recorder=recorder,
@@ -126,7 +123,7 @@ def test_prefill_runs_two_stages_per_moe_layer_side_by_side(model):
     cache = PagedKVCache(model.args, 16, 64)
     halves = batch.split(split_prefill(batch.query_lens, batch.context_lens))
     model.run_step(
-        [(p.input_ids, p.metadata(cache, 4)) for p in halves], cache, "prefill", recorder=recorder
+        [(p.input_ids, p.metadata(cache)) for p in halves], cache, "prefill", recorder=recorder
     )
     attention = "comm_prepare_attn attn.prepare attn.core comm_prepare_mlp"
     first = f"embed {' '.join('L0.' + n for n in attention.split())} L0.mlp L0.postprocess"

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ref_server import __version__, economics
+from ref_server import __version__, economics, kernel_choice
 from ref_server.services.config import (
     KV_TRANSFERS,
     LOG_LEVELS,
@@ -33,7 +33,9 @@ SETTING_GROUPS = {
     "what runs, and where": (
         "role", "host", "port", "http_port", "prefill_instances", "decode_instances",
     ),
-    "model": ("preset", "model", "served_model_name", "seed", "weight_dtype", "device"),
+    "model": (
+        "preset", "model", "served_model_name", "seed", "weight_dtype", "device", "kernels",
+    ),
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "kv_transfer", "two_batch", "two_batch_decode_tokens",
@@ -73,6 +75,7 @@ METAVARS = {
     "internal_secret_file": "FILE",
     "expert_placement": "FILE",
     "eplb_save": "FILE",
+    "kernels": "SET",
 }
 CHOICES = {
     "role": ROLES,
@@ -137,6 +140,7 @@ examples:
   ref-server repro                      # on a GPU: the v3 slice in FP8
   ref-server repro --zipf 0 --json      # perfectly even routing, as DeepSeek's profile data
   ref-server repro --device cpu         # the tiny slice: checks the pipeline, not a figure
+  ref-server repro --kernels ours,deepseek   # ours beside FlashMLA's and DeepGEMM's kernels
 
 See docs/reproduction.md for the method and its caveats."""
 BENCH_EPILOG = """\
@@ -299,11 +303,21 @@ def _repro_flags(parser: argparse.ArgumentParser) -> None:
         "even routing, as DeepSeek's profile data (default: 1.0)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights, tokens, loads (default: 0)")
+    parser.add_argument(
+        "--kernels",
+        default="ours",
+        metavar="SET[,SET...]",
+        help="the slices' kernels: ours, deepseek (FlashMLA, DeepGEMM where they have a part) or "
+        "deepseek:PART[,PART...]; several, comma-separated, are measured in turn and set side "
+        "by side, the first the base (default: ours)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument(
         "--terms", action="store_true", help="also every input term, with its source and note"
     )
-    parser.add_argument("--plot", metavar="PNG", help="bars of ours beside the published figures")
+    parser.add_argument(
+        "--plot", metavar="PNG", help="bars of ours beside the published figures (one set)"
+    )
 
 
 def _bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -480,6 +494,8 @@ def _serve_config(args: argparse.Namespace, **forced) -> ServeConfig:
         from ref_server.services.deployment import torchrun_values
 
         config = config.replace(**torchrun_values(dict(os.environ), config.port))
+    if config.role == "all":  # before starting processes that would each fail to import them
+        kernel_choice.check_findable(config.kernel_parts(), config.kernels)
     return config
 
 
@@ -594,12 +610,17 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
+    choices = kernel_choice.parse_list(args.kernels)
+    kernels = [choice.spec for choice in choices]
     if args.plot:
+        if len(kernels) > 1:
+            raise ValueError("--plot draws one kernel set; give --kernels one")
         from ref_server.bench.plot import require_matplotlib
 
         require_matplotlib()  # before the measurement, not after it
     import torch
 
+    from ref_server.repro.report import SideBySide
     from ref_server.repro.run import draw, reproduce
 
     device = args.device
@@ -610,14 +631,22 @@ def _repro(args: argparse.Namespace) -> int:
     on_gpu = device != "cpu"
     slice_name = args.slice or ("v3" if on_gpu else "tiny")
     weight_dtype = args.weight_dtype or ("fp8" if on_gpu else "bf16")
-    reproduction = reproduce(
-        slice_name,
-        device,
-        None if weight_dtype == "bf16" else weight_dtype,
-        args.reps,
-        args.zipf,
-        args.seed,
-    )
+    for choice in choices:  # a missing library before the first set's measurement
+        parts = choice.parts_in(fp8=weight_dtype == "fp8", expert_parallel=False)
+        kernel_choice.check_findable(parts, choice.spec)
+    runs = [
+        reproduce(
+            slice_name,
+            device,
+            None if weight_dtype == "bf16" else weight_dtype,
+            args.reps,
+            args.zipf,
+            args.seed,
+            spec,
+        )
+        for spec in kernels
+    ]
+    reproduction = runs[0] if len(runs) == 1 else SideBySide(tuple(runs))
     if args.json:
         print(json.dumps(reproduction.to_json(), indent=2))
     else:

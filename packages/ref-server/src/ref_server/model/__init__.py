@@ -3,6 +3,7 @@
     model = ref_server.model.from_preset("tiny", seed=0)
     model = ref_server.model.from_pretrained("/path/to/checkpoint", dtype=torch.bfloat16)
     model = ref_server.model.from_pretrained(path, weight_dtype="fp8")  # projections in FP8
+    model = ref_server.model.from_preset("v2-lite", device="cuda", kernels="deepseek")  # FlashMLA
     logits = model(input_ids)                      # [b, t] -> [b, t, vocab], no cache
     tokens = model.generate([[1, 2, 3]], SamplingParams(max_tokens=8))
 
@@ -23,6 +24,7 @@ from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
 from ref_server.model.fp8 import FP8Experts, FP8Linear, use_fp8
 from ref_server.model.generate import generate
+from ref_server.model.kernels import KernelSet, resolve
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import SamplingParams
 from ref_server.model.step import StepBatch
@@ -51,6 +53,7 @@ def _build(
     num_physical_experts: int | None = None,
     expert_placement=None,
     exchange=None,
+    kernels: str = "ours",
 ) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r}: expected None (dtype) or 'fp8'")
@@ -69,15 +72,19 @@ def _build(
                 f"{num_physical_experts} physical experts asked for"
             )
     slots = num_physical_experts or args.n_routed_experts
+    split = exchange is None and group is not None and group.size() > 1
+    chosen = resolve(
+        kernels, device=device, dtype=dtype, fp8=weight_dtype == "fp8", expert_parallel=split
+    )
     expert_parallel = exchange
-    if exchange is None and group is not None and group.size() > 1:
+    if split:
         from ref_server.model.expert_parallel import ExpertParallel
 
-        expert_parallel = ExpertParallel(group, slots, args.hidden_size)
+        expert_parallel = ExpertParallel(group, slots, args.hidden_size, deep_ep=chosen.deep_ep)
     with torch.device("meta"):
-        model = Model(args, expert_parallel, num_physical_experts).to(dtype)
+        model = Model(args, expert_parallel, num_physical_experts, chosen).to(dtype)
         if weight_dtype == "fp8":
-            use_fp8(model)  # after .to(dtype), which would convert FP8 tensors too
+            use_fp8(model, chosen.fp8_gemm)  # after .to(dtype), which would convert FP8 tensors
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, (FP8Linear, FP8Experts)):
@@ -102,16 +109,19 @@ def from_args(
     num_physical_experts: int | None = None,
     expert_placement=None,
     exchange=None,
+    kernels: str = "ours",
 ) -> Model:
     """A model of these hyper-parameters with random weights drawn from `seed`, in `dtype`
     (activations, and weights unless weight_dtype is "fp8": then the projections are FP8,
-    the same random weights quantized in 128 x 128 blocks). Expert slots as `from_pretrained`;
-    replicas of an expert get its weights. exchange: what the MoE layers exchange rows through
-    instead of an `ExpertParallel` over group: a stand-in with its interface, such as
-    `ref_server.repro.slices.LayoutExchange` (one rank of a layout, without its peers)."""
+    the same random weights quantized in 128 x 128 blocks). Expert slots and kernels as
+    `from_pretrained`; replicas of an expert get its weights. exchange: what the MoE layers
+    exchange rows through instead of an `ExpertParallel` over group: a stand-in with its
+    interface, such as `ref_server.repro.slices.LayoutExchange` (one rank of a layout, without
+    its peers)."""
     model = _build(
-        args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement, exchange
-    )
+        args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement,
+        exchange, kernels,
+    )  # fmt: skip
     init_random(model, seed)
     model.tokenizer = load_tokenizer(model.args)
     return model
@@ -133,6 +143,7 @@ def from_pretrained(
     weight_dtype: str | None = None,
     num_physical_experts: int | None = None,
     expert_placement=None,
+    kernels: str = "ours",
 ) -> Model:
     """A Hugging Face DeepSeek-V3 checkpoint directory, activations in `dtype`. weight_dtype
     None: weights in dtype too (FP8 ones dequantized); "fp8": the projections DeepSeek stores
@@ -142,7 +153,12 @@ def from_pretrained(
 
     num_physical_experts: expert slots per MoE layer, for balancing (docs/balance.md); at
     least the routed experts, a multiple of the ranks; slot p holds expert p % E unless
-    expert_placement `[MoE layers, slots]` says which (`balance.Placement.phy2log`)."""
+    expert_placement `[MoE layers, slots]` says which (`balance.Placement.phy2log`).
+
+    kernels: "ours" (ref-server's kernels, mla_kernels, ep_comm), "deepseek" (FlashMLA for
+    decode attention, DeepGEMM for the FP8 GEMMs, DeepEP for the exchange: each where the model
+    has that part) or "deepseek:PART[,PART...]" (those parts alone); see
+    `ref_server.kernel_choice` and docs/model.md. `model.kernels` says what runs."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
@@ -154,6 +170,7 @@ def from_pretrained(
         weight_dtype,
         num_physical_experts,
         expert_placement,
+        kernels=kernels,
     )
     load_weights(model, path)
     model.tokenizer = load_tokenizer(model.args, path)
@@ -164,6 +181,7 @@ __all__ = [
     "PRESETS",
     "CheckpointError",
     "DecodeGraphs",
+    "KernelSet",
     "Model",
     "ModelArgs",
     "PagedKVCache",

@@ -5,14 +5,15 @@ A cached step is two operations, so two-batch overlap can run them in different 
 writes the cache and rotates the queries) and `core` (attention itself, the value half of kv_b
 and o_proj). Prefill decompresses the whole context of every sequence of the step at once and
 attends densely, all sequences in one variable-length kernel on CUDA; decode attends to the
-latent cache through `mla_kernels.flash_mla_with_kvcache`.
+latent cache through a module with FlashMLA's call surface (`DecodeAttention`): mla_kernels,
+or with the model's `kernels` "deepseek" FlashMLA itself.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +28,54 @@ from ref_server.model.layers import FusedLinear, RMSNorm, rotate
 from ref_server.model.rope_kernels import rope_into
 
 
+@dataclass(frozen=True)
+class DecodeAttention:
+    """Paged MLA decode through `module`, which has FlashMLA's call surface (mla_kernels, or
+    FlashMLA): `schedule` once per step, shared by every layer (a CUDA graph captures it), then
+    `attend` in each layer. options: keywords only this module takes; page_sizes and dtypes:
+    the caches it reads (None: any `PagedKVCache` allows)."""
+
+    name: str
+    module: object
+    options: dict = field(default_factory=dict)
+    page_sizes: tuple[int, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+    def schedule(self, cache_seqlens: torch.Tensor, heads: int):
+        """The split-KV schedule of a decode step (one query token, one KV head): both the
+        first API's (tile_scheduler_metadata, num_splits) and FlashMLA 1.0's (an object it fills
+        at the first `attend`, and None) pass on to `attend` as they are."""
+        return self.module.get_mla_metadata(cache_seqlens, heads, 1)
+
+    def attend(self, q, cache, block_table, cache_seqlens, schedule, head_dim_v, softmax_scale):
+        """q `[b, 1, heads, 576]` in the cache's dtype over each sequence's cached tokens:
+        `[b, 1, heads, head_dim_v]`."""
+        out, _ = self.module.flash_mla_with_kvcache(
+            q, cache, block_table, cache_seqlens, head_dim_v, *schedule,
+            softmax_scale=softmax_scale, causal=True, **self.options,
+        )  # fmt: skip
+        return out
+
+    def cache_problem(self, cache) -> str | None:
+        """Why this module cannot read `cache` (a `PagedKVCache`), or None."""
+        if self.page_sizes and cache.page_size not in self.page_sizes:
+            sizes = " or ".join(map(str, self.page_sizes))
+            return f"{self.name} reads pages of {sizes} tokens, not {cache.page_size}"
+        if self.dtypes and cache.dtype not in self.dtypes:
+            dtypes = " or ".join(map(str, self.dtypes))
+            return f"{self.name} reads caches in {dtypes}, not {cache.dtype}"
+        return None
+
+
+MLA_KERNELS = DecodeAttention("mla_kernels", mla_kernels, {"check_values": False})
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, decode: DecodeAttention = MLA_KERNELS) -> None:
+        """decode: what absorbed decode attends to the latent cache through."""
         super().__init__()
         self.args = args
+        self.decode = decode
         h, heads = args.hidden_size, args.num_attention_heads
         # the projections of the layer's input, as one GEMM
         q_name = "q_a_proj" if args.q_lora_rank else "q_proj"
@@ -99,7 +144,8 @@ class Attention(nn.Module):
         return self.o_proj(self._attend(q, k, v, causal=True))
 
     # A cached step's two operations. State in: attn_in `[n, hidden]` (normalized), step
-    # (`StepMetadata`, None on a rank without tokens), rotation. State out: attn_out.
+    # (`StepMetadata`, None on a rank without tokens), rotation, and in decode decode_schedule
+    # (`DecodeAttention.schedule`'s). State out: attn_out.
 
     def prepare(self, state, kv: torch.Tensor) -> None:
         """kv: this layer's cache `[blocks, page, 1, 576]`. One `cache_latent` writes the new
@@ -130,7 +176,7 @@ class Attention(nn.Module):
             state.attn_out = self.kv_a_layernorm.weight.new_zeros(0, self.args.hidden_size)
             return
         if step.is_decode:
-            out = self._absorbed_decode(q, kv, step)
+            out = self._absorbed_decode(q, kv, step, state.decode_schedule)
         else:
             out = self._prefill_from_cache(q, kv, step)
             if out.shape[0] > step.num_tokens:  # a prefill graph's padding rows (`PrefillGraphs`)
@@ -242,21 +288,13 @@ class Attention(nn.Module):
         torch.bmm(q_nope.transpose(0, 1), w_key, out=query[..., : a.kv_lora_rank].transpose(0, 1))
         return query
 
-    def _absorbed_decode(self, q, cache, step):
+    def _absorbed_decode(self, q, cache, step, schedule):
         """Attention over the latent cache, then values through kv_b's value half."""
         a = self.args
-        out, _ = mla_kernels.flash_mla_with_kvcache(
-            q,
-            cache,
-            step.block_table,
-            step.cache_seqlens,
-            a.kv_lora_rank,
-            step.tile_scheduler_metadata,
-            step.num_splits,
-            softmax_scale=a.softmax_scale,
-            causal=True,
-            check_values=False,
-        )
+        out = self.decode.attend(
+            q, cache, step.block_table, step.cache_seqlens, schedule, a.kv_lora_rank,
+            a.softmax_scale,
+        )  # fmt: skip
         _, w_value = self._kv_b_halves()
         out = out.squeeze(1).to(w_value.dtype)
         values = out.new_empty(out.shape[0], a.num_attention_heads, a.v_head_dim)

@@ -109,7 +109,7 @@ class DecodeGraphs:
     def step_inputs(self, bucket: int) -> list:
         """What the bucket's graph reads: `run_step`'s (input_ids, StepMetadata) per microbatch
         over the static inputs (two halves when the bucket runs two microbatches)."""
-        heads, inputs = self.model.args.num_attention_heads, self.inputs
+        inputs = self.inputs
         half = bucket // 2
         rows = [slice(0, half), slice(half, bucket)] if self.two_batch[bucket] else [slice(bucket)]
         return [
@@ -119,7 +119,6 @@ class DecodeGraphs:
                     inputs.positions[r],
                     inputs.slot_mapping[r],
                     self.block_table[r],
-                    heads,
                     inputs.real_rows[r],
                 ),
             )

@@ -21,6 +21,11 @@ and come back summed (combine). Two ways, as DeepSeek serves:
 
 After a failure that ep_comm could not raise at once (a CUDA-graph replay, an asynchronous
 call), `raise_if_failed` raises `EPCommError` on every rank and `reset` rebuilds the buffer.
+
+With `deep_ep` (the model's `kernels` "deepseek"), DeepEP's `deep_ep.Buffer` (its V1 API, which
+ep_comm's copies) moves the rows instead (`deepseek.deep_ep_buffer`): its kernels never wait on
+the host where ep_comm's cuda backend does not either, and it keeps no failure to agree on
+(`raise_if_failed` checks nothing; a failing call raises, or the process aborts).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch.distributed as dist
 from ep_comm import Buffer, Config, EventOverlap
 from ep_comm.config import SCALE_BLOCK
 from ep_comm.low_latency_checks import MAX_TOKENS_PER_RANK, MAX_TOPK
+from ref_server.model.deepseek import deep_ep_buffer
 
 
 @dataclass
@@ -72,7 +78,10 @@ class ExpertParallel:
         *,
         backend: str | None = None,
         timeout: timedelta = timedelta(seconds=300),
+        deep_ep=None,
     ) -> None:
+        """backend, timeout: ep_comm's `Buffer`'s; deep_ep: the imported DeepEP, whose buffer
+        moves the rows instead (None: ep_comm's)."""
         size = group.size()
         if num_experts % size:
             raise ValueError(f"{num_experts} routed experts do not split over {size} ranks")
@@ -81,12 +90,17 @@ class ExpertParallel:
         self.hidden_size = hidden_size
         self.rank_and_size = (group.rank(), size)
         self.backend, self.timeout = backend, timeout
+        self.deep_ep = deep_ep
         self.max_decode_tokens = 0  # T of the low-latency mode; 0: decode uses the normal mode
         self.why_not_low_latency = "no decode batch size was given (use_low_latency)"
         self.buffer = self._new_buffer()
 
     def _new_buffer(self) -> Buffer:
         size, tokens = self.rank_and_size[1], self.max_decode_tokens
+        if self.deep_ep is not None:
+            return deep_ep_buffer(
+                self.deep_ep, self.group, self.hidden_size, self.num_experts, tokens
+            )
         nvl_bytes = rdma_bytes = 0
         if torch.cuda.is_available():
             nvl_bytes = Config().get_nvl_buffer_size_hint(self.hidden_size * 2, size)
@@ -133,7 +147,10 @@ class ExpertParallel:
     def capturable(self) -> bool:
         """Whether a decode step's exchange can be captured in a CUDA graph: in the low-latency
         mode through ep_comm's cuda low-latency backend, else in the normal mode through its
-        cuda backend (with num_worst_tokens). The torch backends wait on the host."""
+        cuda backend (with num_worst_tokens), or through DeepEP. The torch backends wait on the
+        host."""
+        if self.deep_ep is not None:
+            return True
         if self.low_latency:
             return self.buffer.low_latency_backend == "cuda"
         return self.buffer.backend == "cuda"
@@ -205,7 +222,10 @@ class ExpertParallel:
 
     def raise_if_failed(self) -> None:
         """Raise EPCommError on every rank if any rank's buffer failed in a call that could not
-        raise. Collective; waits for this rank's work on the current stream first."""
+        raise. Collective; waits for this rank's work on the current stream first. With DeepEP,
+        nothing: it records no failures."""
+        if self.deep_ep is not None:
+            return
         if self.buffer.device is not None:
             torch.cuda.current_stream().synchronize()
         self.buffer.raise_if_failed()
@@ -213,4 +233,8 @@ class ExpertParallel:
     def reset(self) -> None:
         """Rebuild the buffer after a failure; collective. CUDA graphs that captured the old
         one must be captured again."""
-        self.buffer.reset()
+        if self.deep_ep is None:
+            self.buffer.reset()
+            return
+        self.buffer.destroy()  # which waits for the device
+        self.buffer = self._new_buffer()

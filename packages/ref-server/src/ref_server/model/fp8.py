@@ -10,7 +10,9 @@ dequantized to fp32, then a matmul).
 
 `use_fp8(model)` swaps a model's projections for `FP8Linear` and its routed experts for
 `FP8Experts`; the loader then fills them from FP8 checkpoints as stored, or quantizes bf16
-weights with `quantize_blocks`.
+weights with `quantize_blocks`. Their GEMMs run through `fp8_block_gemm`, or any function of its
+arguments given to `use_fp8` (DeepGEMM's, `ref_server.model.deepseek.DeepGemm`, with the model's
+`kernels` "deepseek").
 """
 
 from __future__ import annotations
@@ -95,10 +97,12 @@ class FP8Linear(nn.Module):
     `weight_scale_inv` `[ceil(out/128), ceil(in/128)]` fp32 (the checkpoint's names). Inputs
     are quantized per token and 128 channels; outputs come in the input's dtype. With parts
     (as `FusedLinear`'s), it stacks those layers, each from a row that starts a block
-    (`row_parts`; the padding rows between them are zero once `zero_padding` ran)."""
+    (`row_parts`; the padding rows between them are zero once `zero_padding` ran). gemm: what
+    multiplies, `fp8_block_gemm` or a function of its arguments."""
 
-    def __init__(self, in_features: int, out_features: int, parts=None) -> None:
+    def __init__(self, in_features: int, out_features: int, parts=None, gemm=fp8_block_gemm):
         super().__init__()
+        self.gemm = gemm
         if parts is not None:
             self.row_parts = RowParts(parts, align=BLOCK)
             out_features = self.row_parts.rows
@@ -110,7 +114,7 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[..., in]` to `[..., out]`, both bf16 or fp32."""
         x_fp8, scales = quantize_activations(x)
-        return fp8_block_gemm(x_fp8, scales, self.weight, self.weight_scale_inv, None, x.dtype)
+        return self.gemm(x_fp8, scales, self.weight, self.weight_scale_inv, None, x.dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight `[out, in]` in dtype (absorbed decode multiplies by it directly)."""
@@ -137,10 +141,14 @@ class FP8Experts(RoutedExperts):
     gate_proj and up_proj stacked by rows as one GEMM (`gate_up_parts`; up_proj starts at a row
     that begins a 128-row block, so that each keeps the checkpoint's blocks, with zero rows
     between where inter is not a multiple of 128), and down_proj `[e, hidden, inter]`, e4m3,
-    each with `<name>_scale_inv` `[e, ceil(out/128), ceil(in/128)]` fp32."""
+    each with `<name>_scale_inv` `[e, ceil(out/128), ceil(in/128)]` fp32. gemm: as
+    `FP8Linear`'s; with another than `fp8_block_gemm`, SwiGLU stays unfused (`fused_swiglu` is
+    our Triton kernel's)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, gemm=fp8_block_gemm) -> None:
         super().__init__(num_experts)
+        self.gemm = gemm
+        self.fused_swiglu = self.fused_swiglu and gemm is fp8_block_gemm
         self.gate_up_parts = RowParts({"gate_proj": inter, "up_proj": inter}, align=BLOCK)
         shapes = {"gate_up_proj": (self.gate_up_parts.rows, hidden), "down_proj": (hidden, inter)}
         for name, (rows, cols) in shapes.items():
@@ -170,7 +178,7 @@ class FP8Experts(RoutedExperts):
 
         def project(rows, name):
             weight, scales = getattr(self, name), getattr(self, name + "_scale_inv")
-            return fp8_block_gemm(*rows, weight, scales, offsets, dtype, counts)
+            return self.gemm(*rows, weight, scales, offsets, dtype, counts)
 
         if self.fused_swiglu:
             w, scales = self.gate_up_proj, self.gate_up_proj_scale_inv
@@ -187,15 +195,16 @@ class FP8Experts(RoutedExperts):
         zero_between_parts(self.gate_up_proj, self.gate_up_parts)
 
 
-def use_fp8(model: nn.Module) -> None:
+def use_fp8(model: nn.Module, gemm=fp8_block_gemm) -> None:
     """Swap, in place, what DeepSeek-V3 checkpoints store in FP8 for empty FP8 modules (on the
-    current default device): every `nn.Linear` but the output head (attention projections,
-    dense and shared-expert MLPs) and every layer's routed `Experts`."""
+    current default device) whose GEMMs run through gemm: every `nn.Linear` but the output head
+    (attention projections, dense and shared-expert MLPs) and every layer's routed `Experts`."""
     head = getattr(model, "lm_head", None)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, Experts):
-                setattr(module, name, FP8Experts(*child.down_proj.shape))
+                setattr(module, name, FP8Experts(*child.down_proj.shape, gemm))
             elif isinstance(child, nn.Linear) and child is not head:
                 parts = child.row_parts.parts if isinstance(child, FusedLinear) else None
-                setattr(module, name, FP8Linear(child.in_features, child.out_features, parts))
+                layer = FP8Linear(child.in_features, child.out_features, parts, gemm)
+                setattr(module, name, layer)

@@ -197,7 +197,7 @@ class PrefillGraphs:
             raise ValueError("PrefillGraphs runs prefill steps; decode ones replay DecodeGraphs")
         n = batch.num_tokens
         size = self.bucket(n)
-        step = batch.metadata(self.cache, self.model.args.num_attention_heads)
+        step = batch.metadata(self.cache)
         page = self.cache.page_size  # the CPU's rows: one copy, where the step's are on the GPU
         self.inputs.fill(n, size, batch.input_ids, batch.positions, batch.slot_mapping(page))
         graphs = iter(self.graphs[size])

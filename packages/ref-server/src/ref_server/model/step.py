@@ -17,8 +17,6 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-import mla_kernels
-
 
 @dataclass
 class StepBatch:
@@ -54,7 +52,7 @@ class StepBatch:
 
     @property
     def is_decode(self) -> bool:
-        """One new token per sequence: attention runs absorbed, through mla_kernels."""
+        """One new token per sequence: attention runs absorbed over the latent cache."""
         return all(q == 1 for q in self.query_lens)
 
     # All on the CPU, from the Python lists, in numpy: on the GPU they would wait for it, and
@@ -109,9 +107,9 @@ class StepBatch:
             for tokens, seqs, query, context in halves
         )
 
-    def metadata(self, cache, heads: int) -> StepMetadata:
+    def metadata(self, cache) -> StepMetadata:
         """This batch's device form on the cache's device (cache: anything with `device` and
-        `page_size`, such as a `PagedKVCache`; heads: the model's attention heads)."""
+        `page_size`, such as a `PagedKVCache`)."""
         page = cache.page_size
         host = dict(
             positions=self.positions,
@@ -119,7 +117,7 @@ class StepBatch:
             block_table=self.block_table.cpu().int(),
         )
         if self.is_decode:
-            return StepMetadata.decode(**_to_device(host, cache.device), heads=heads)
+            return StepMetadata.decode(**_to_device(host, cache.device))
         cu_seqlens_q, cu_seqlens_k = (
             torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
             for lens in (self.query_lens, self.context_lens)
@@ -169,7 +167,7 @@ class StepMetadata:
     - context_rows: `[sum(context_lens)]` int64, the cache rows of every sequence's context;
     - cu_seqlens_q, cu_seqlens_k: `[b + 1]` int32, where each sequence's new tokens and its
       context start in the flattened rows (0, then the running sums of the lengths).
-    A decode's kernel schedule: cache_seqlens `[b]` int32, tile_scheduler_metadata, num_splits.
+    A decode's cache_seqlens `[b]` int32, each sequence's cached tokens after the step.
     real_rows: `[n]` bool, the rows that are tokens (a CUDA graph's padding rows are not);
     None: every row.
     """
@@ -185,8 +183,6 @@ class StepMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
-    tile_scheduler_metadata: torch.Tensor | None = None
-    num_splits: torch.Tensor | None = None
     real_rows: torch.Tensor | None = None
 
     @property
@@ -202,20 +198,14 @@ class StepMetadata:
         return max(self.context_lens)
 
     @classmethod
-    def decode(
-        cls, positions, slot_mapping, block_table, heads: int, real_rows=None
-    ) -> StepMetadata:
+    def decode(cls, positions, slot_mapping, block_table, real_rows=None) -> StepMetadata:
         """One new token per sequence, from device tensors alone (so a CUDA graph can capture
         it): each sequence's cache then holds its token's position + 1 tokens."""
-        cache_seqlens = (positions + 1).int()
-        metadata, splits = mla_kernels.get_mla_metadata(cache_seqlens, heads, 1)
         return cls(
             is_decode=True,
             positions=positions,
             slot_mapping=slot_mapping,
             block_table=block_table,
-            cache_seqlens=cache_seqlens,
-            tile_scheduler_metadata=metadata,
-            num_splits=splits,
+            cache_seqlens=(positions + 1).int(),
             real_rows=real_rows,
         )

@@ -20,8 +20,9 @@ from torch import nn
 
 from overlap_sched import Op, State, Yield, run, run_overlapped
 from ref_server.model.args import ModelArgs
-from ref_server.model.attention import Attention
+from ref_server.model.attention import MLA_KERNELS, Attention, DecodeAttention
 from ref_server.model.cache import PagedKVCache
+from ref_server.model.kernels import OURS, KernelSet
 from ref_server.model.layers import MLP, RMSNorm, Rope
 from ref_server.model.moe import MoE
 from ref_server.model.step import StepBatch, StepMetadata
@@ -41,12 +42,17 @@ DELTA_STAGES = {"prefill": 0, "decode": 2}
 
 class Block(nn.Module):
     def __init__(
-        self, args: ModelArgs, layer: int, expert_parallel=None, num_physical_experts=None
+        self,
+        args: ModelArgs,
+        layer: int,
+        expert_parallel=None,
+        num_physical_experts=None,
+        decode: DecodeAttention = MLA_KERNELS,
     ) -> None:
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, decode)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer):
             self.mlp = MoE(args, expert_parallel, num_physical_experts)
@@ -105,16 +111,23 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(
-        self, args: ModelArgs, expert_parallel=None, num_physical_experts: int | None = None
+        self,
+        args: ModelArgs,
+        expert_parallel=None,
+        num_physical_experts: int | None = None,
+        kernels: KernelSet = OURS,
     ) -> None:
         """num_physical_experts: each MoE layer's expert slots when the instance balances its
-        experts (`MoE`); None: one slot per routed expert."""
+        experts (`MoE`); None: one slot per routed expert. kernels: whose kernels run decode
+        attention here (the FP8 GEMMs and the exchange are given to `use_fp8` and the
+        `expert_parallel`; `ref_server.model.from_args` builds all three)."""
         super().__init__()
         self.args = args
         self.expert_parallel = expert_parallel
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(
-            Block(args, i, expert_parallel, num_physical_experts)
+            Block(args, i, expert_parallel, num_physical_experts, kernels.decode_attention)
             for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -138,6 +151,8 @@ class Transformer(nn.Module):
         """A whole cached step as one op list: embed, every layer's ops, the head."""
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
+        if problem := self.kernels.decode_attention.cache_problem(cache):
+            raise ValueError(f"kernels {self.kernels.spec!r}: {problem}")
         ops = [Op("embed", self.embed)]
         for layer, kv in zip(self.layers, cache.layers, strict=True):
             ops += layer.operations(schedule, kv)
@@ -147,13 +162,21 @@ class Transformer(nn.Module):
     # State out: logits `[b, vocab]` float32 (None without tokens).
 
     def embed(self, state) -> None:
-        if state.step is None:
+        """The tokens' embeddings and rope angles, and in decode the attention's schedule,
+        which every layer shares."""
+        step = state.step
+        if step is None:
             state.hidden = self.embed_tokens.weight.new_zeros(0, self.args.hidden_size)
             state.rotation = None
             return
         x = self.embed_tokens(state.input_ids)
-        state.rotation = self.rope(state.step.positions, x.dtype)
+        state.rotation = self.rope(step.positions, x.dtype)
         state.hidden = x
+        if step.is_decode:
+            heads = self.args.num_attention_heads
+            state.decode_schedule = self.kernels.decode_attention.schedule(
+                step.cache_seqlens, heads
+            )
 
     def head(self, state) -> None:
         x, update, step = state.pop("hidden"), state.pop("hidden_update"), state.step
@@ -175,13 +198,12 @@ class Transformer(nn.Module):
         overlapped, in the schedule of the batch's kind. low_latency: the MoE exchanges go
         through ep_comm's low-latency mode (every expert-parallel rank must choose alike);
         None: for a decode batch, when the mode is set up and the batch fits it."""
-        heads = self.args.num_attention_heads
         schedule = "decode" if batch.is_decode else "prefill"
         if low_latency is None:
             ep = self.expert_parallel
             low_latency = bool(batch.is_decode and ep and ep.low_latency_fits(batch.num_tokens))
         parts = [batch] if split is None else batch.split(split)
-        inputs = [(p.input_ids.to(cache.device), p.metadata(cache, heads)) for p in parts]
+        inputs = [(p.input_ids.to(cache.device), p.metadata(cache)) for p in parts]
         logits = self.run_step(inputs, cache, schedule, low_latency=low_latency)
         if split is not None and split.cut:  # a cut sequence's last token is in B: drop A's row
             a_rows = len(split.seqs[0])

@@ -1,7 +1,8 @@
 """The whole reproduction table: both phases, the comparisons, the margin, the hardware
 differences and the memory check, as JSON (every term with value, unit, source and note) and as
 text. A table resting on a CPU measurement says "CPU, not a GPU figure" on every derived and
-measured row and at its head."""
+measured row and at its head. `SideBySide`: the summaries of reproductions through several
+kernel sets in columns."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ CAVEATS = (
 class Reproduction:
     """Both phases' projections priced at `gpu_hour_usd`. decode_weights_per_gpu (bytes, from
     `ModelArgs.weight_bytes_per_gpu` of the layout) enables the memory check, with the KV cache
-    of the decode layout's requests at day 6's mean KV length."""
+    of the decode layout's requests at day 6's mean KV length. kernels: what the slices' model
+    ran (`ref_server.kernel_choice`)."""
 
     prefill: PhaseProjection
     decode: PhaseProjection
@@ -37,6 +39,7 @@ class Reproduction:
     decode_weights_per_gpu: Term | None = None
     kv_cache_fp8: bool = True
     hbm_capacity: Term = published.H200_HBM_CAPACITY
+    kernels: str = "ours"
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -112,6 +115,7 @@ class Reproduction:
     def to_json(self) -> dict[str, object]:
         return {
             "figure": self.label,
+            "kernels": self.kernels,
             "prefill": self._phase_json(self.prefill),
             "decode": self._phase_json(self.decode),
             "comparisons": [row.to_json() | {"figure": self.label} for row in self.comparisons()],
@@ -135,7 +139,8 @@ class Reproduction:
         sections.append(("economics", data["economics"]))
         if every_term:
             sections += [(name, data[name]) for name in ("hardware", "memory")]
-        lines = [f"day-6 reproduction: {self.label}"]
+        kernels = "" if self.kernels == "ours" else f", kernels {self.kernels}"
+        lines = [f"day-6 reproduction: {self.label}{kernels}"]
         for title, rows in sections:
             lines.append(f"\n{title}")
             for row in rows:
@@ -158,6 +163,92 @@ class Reproduction:
 
 
 WIDTH = 100
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """Reproductions of one layout through different kernel sets, the first the base: each
+    summary term (step times, throughput, economics) and each ratio to a published figure in a
+    column per set, then each other set's value over the base's."""
+
+    runs: tuple[Reproduction, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.runs) < 2 or len({run.kernels for run in self.runs}) < len(self.runs):
+            raise ValueError("side by side takes reproductions through two or more kernel sets")
+
+    @property
+    def kernels(self) -> list[str]:
+        return [run.kernels for run in self.runs]
+
+    def rows(self) -> list[dict[str, object]]:
+        """In the summary's order: {section, name, unit, values: each set's, over_base: each
+        other set's value over the base's (None where the base's is 0)}."""
+        documents = [run.to_json() for run in self.runs]
+        sections = [(f"{phase} {part}", (phase, part)) for phase in ("prefill", "decode")
+                    for part in ("step_times", "throughput")]  # fmt: skip
+        rows = []
+        for title, (phase, part) in sections:
+            for i, term in enumerate(documents[0][phase][part]):
+                values = [d[phase][part][i]["value"] for d in documents]
+                rows.append(self._row(title, term["name"], term["unit"], values))
+        for i, term in enumerate(documents[0]["economics"]):
+            values = [d["economics"][i]["value"] for d in documents]
+            rows.append(self._row("economics", term["name"], term["unit"], values))
+        for i, row in enumerate(documents[0]["comparisons"]):
+            values = [d["comparisons"][i]["ratio"] for d in documents]
+            name = f"{row['ours']} / {row['reference']['name']}"
+            rows.append(self._row("ours / published", name, "1", values))
+        return rows
+
+    def _row(self, section: str, name: str, unit: str, values: list[float]) -> dict:
+        base, others = values[0], zip(self.kernels[1:], values[1:], strict=True)
+        return {
+            "section": section,
+            "name": name,
+            "unit": unit,
+            "values": dict(zip(self.kernels, values, strict=True)),
+            "over_base": {kernels: value / base if base else None for kernels, value in others},
+        }
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "figure": self.runs[0].label,
+            "kernels": self.kernels,
+            "side_by_side": self.rows(),
+            "runs": {run.kernels: run.to_json() for run in self.runs},
+        }
+
+    def to_text(self, every_term: bool = False) -> str:
+        """The summary in a column per kernel set and one per other set over the base (a term
+        whose name is too long for its column wraps above its values); every_term: then each
+        run's whole table (`Reproduction.to_text`)."""
+        base = self.kernels[0]
+        heads = self.kernels + [f"{kernels} / {base}" for kernels in self.kernels[1:]]
+        labels = {run.label for run in self.runs}
+        lines = [f"day-6 reproduction, kernels side by side: {'; '.join(sorted(labels))}"]
+        section = None
+        for row in self.rows():
+            if row["section"] != section:
+                section = row["section"]
+                lines.append("\n" + f"{section:<{NAME}}" + "".join(f"{h:>{CELL}}" for h in heads))
+            name = f"  {row['name']} ({row['unit']})"
+            if len(name) > NAME:
+                lines.append(name)
+                name = ""
+            values = [f"{value:>{CELL},.6g}" for value in row["values"].values()]
+            ratios = [f"{r:>{CELL}.3f}" if r is not None else f"{'-':>{CELL}}"
+                      for r in row["over_base"].values()]  # fmt: skip
+            lines.append(f"{name:<{NAME}}" + "".join(values + ratios))
+        lines.append("\nEach set's whole table: --terms; as JSON: --json.")
+        if every_term:
+            lines += [
+                f"\nkernels {run.kernels}\n" + run.to_text(every_term=True) for run in self.runs
+            ]
+        return "\n".join(lines)
+
+
+NAME, CELL = 52, 16  # columns of SideBySide's text: a term's name, a value
 
 
 def _wrapped(text: str) -> list[str]:

@@ -118,8 +118,10 @@ def reproduce(
     reps: int = 5,
     zipf: float = 1.0,
     seed: int = 0,
+    kernels: str = "ours",
 ) -> Reproduction:
-    """Both phases of the named slice measured on `device` and projected."""
+    """Both phases of the named slice measured on `device` through `kernels` (the model's:
+    `ref_server.kernel_choice`) and projected."""
     if slice_name not in LAYOUTS:
         raise ValueError(f"unknown slice {slice_name!r}; slices: {', '.join(LAYOUTS)}")
     layout = LAYOUTS[slice_name]
@@ -127,7 +129,9 @@ def reproduce(
     dims = slices.dims_of(args)
     phases = {}
     for point in (layout.prefill, layout.decode):
-        times, where = slices.measure(point, slice_name, device, weight_dtype, reps, layout.prompt)
+        times, where = slices.measure(
+            point, slice_name, device, weight_dtype, reps, layout.prompt, kernels
+        )
         phases[point.phase] = PhaseProjection(
             point,
             where,
@@ -137,7 +141,9 @@ def reproduce(
             dims=dims,
         )
     weights = decode_weights(slice_name, layout.decode, weight_dtype or "bf16")
-    return Reproduction(phases["prefill"], phases["decode"], decode_weights_per_gpu=weights)
+    return Reproduction(
+        phases["prefill"], phases["decode"], decode_weights_per_gpu=weights, kernels=kernels
+    )
 
 
 def decode_weights(slice_name: str, point: OperatingPoint, weight_dtype: str) -> Term:

@@ -123,10 +123,20 @@ class Slice:
     batch: StepBatch
 
     @classmethod
-    def build(cls, point, args, device, weight_dtype=None, prompt: int = PROMPT, seed: int = 0):
+    def build(
+        cls,
+        point,
+        args,
+        device,
+        weight_dtype=None,
+        prompt: int = PROMPT,
+        seed: int = 0,
+        kernels: str = "ours",
+    ):
         """Rank 0 of `point`: for prefill, a microbatch of prompts of `prompt` tokens (the
         microbatch's tokens, at most one partial prompt); for decode, a microbatch of requests
-        each with `prompt` tokens cached."""
+        each with `prompt` tokens cached. kernels: the model's (`ref_server.kernel_choice`;
+        the exchange is `LayoutExchange`'s whatever they are)."""
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         exchange = LayoutExchange(point, args)
         model = M.from_args(
@@ -137,6 +147,7 @@ class Slice:
             weight_dtype=weight_dtype,
             num_physical_experts=point.physical_experts,
             exchange=exchange,
+            kernels=kernels,
         )
         tokens = point.tokens_per_gpu // point.microbatches
         page = 64
@@ -164,16 +175,18 @@ def measure(
     weight_dtype: str | None = None,
     reps: int = 5,
     prompt: int = PROMPT,
+    kernels: str = "ours",
 ) -> tuple[LayerTimes, Device]:
-    """One microbatch's per-part times of `point` on `device` (see module docstring)."""
+    """One microbatch's per-part times of `point` on `device` through `kernels` (see module
+    docstring)."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     args = slice_args(slice_name)
     where = torch.device(device)
-    part = Slice.build(point, args, where, weight_dtype, prompt)
+    part = Slice.build(point, args, where, weight_dtype, prompt, kernels=kernels)
     model, batch = part.model, part.batch
     schedule = point.phase
-    inputs = [(batch.input_ids, batch.metadata(part.cache, args.num_attention_heads))]
+    inputs = [(batch.input_ids, batch.metadata(part.cache))]
     params = [SamplingParams(temperature=0.8, seed=0)] * len(batch.query_lens)
     steps, ahead = [], HostAhead(where)
     with torch.no_grad():
@@ -198,7 +211,8 @@ def measure(
         f"{slice_name} slice (hidden {args.hidden_size}), rank 0 of {point.phase} "
         f"EP{point.gpus}, {point.tokens_per_gpu // point.microbatches} tokens a microbatch, "
         f"{weight_dtype or ('bf16' if where.type == 'cuda' else 'float32')} weights, "
-        f"median of {reps} eager steps on {gpu}{ahead.note()}"
+        f"median of {reps} eager steps on {gpu}{ahead.note()}; kernels "
+        f"{model.kernels.describe()}"
     )
     return LayerTimes.measured(run, **_items(medians)), Device(where.type, gpu)
 

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ref_server import kernel_choice
 from ref_server.config_file import read_toml
 
 ROLES = ("router", "prefill", "decode", "all")
@@ -55,6 +56,12 @@ class ServeConfig:
         "DeepSeek serves V3 (half the memory; its GEMMs are still a slow reference)",
     )
     device: str = _setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    kernels: str = _setting(
+        "ours",
+        "whose kernels the instances run: ours, deepseek (FlashMLA for decode attention, DeepGEMM "
+        "for FP8 GEMMs, DeepEP for the expert exchange, where the model has each; CUDA, pages of "
+        "64) or deepseek:PART[,PART...] (parts attention, gemm, exchange; ours for the rest)",
+    )
     num_blocks: int = _setting(512, "KV cache pages per instance")
     block_size: int = _setting(64, "tokens per KV page")
     max_num_seqs: int = _setting(128, "sequences an instance runs at once")
@@ -206,6 +213,7 @@ class ServeConfig:
             problems.append(
                 f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
             )
+        problems += self._kernels_problems()
         if self.kv_transfer not in KV_TRANSFERS:
             problems.append(
                 f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}"
@@ -281,6 +289,26 @@ class ServeConfig:
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).resolve().name if self.model else self.preset
+
+    def kernel_parts(self) -> tuple[str, ...]:
+        """The parts DeepSeek's libraries run in each instance's model (`kernel_choice`)."""
+        choice = kernel_choice.parse(self.kernels)
+        return choice.parts_in(fp8=self.weight_dtype == "fp8", expert_parallel=self.ranks > 1)
+
+    def _kernels_problems(self) -> list[str]:
+        try:
+            parts = self.kernel_parts()
+        except ValueError as error:
+            return [str(error)]
+        problems = []
+        if parts and self.device == "cpu":
+            problems.append(f"kernels {self.kernels!r} run on CUDA, not on device cpu")
+        if "attention" in parts and self.block_size != 64:
+            problems.append(
+                f"kernels {self.kernels!r}: FlashMLA reads pages of 64 tokens, not block_size "
+                f"{self.block_size}"
+            )
+        return problems
 
     def replace(self, **changes) -> ServeConfig:
         return dataclasses.replace(self, **changes)

@@ -129,7 +129,13 @@ def load_model(
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
-    weights = dict(dtype=dtype, device=device, group=group, weight_dtype=_weight_dtype(config))
+    weights = dict(
+        dtype=dtype,
+        device=device,
+        group=group,
+        weight_dtype=_weight_dtype(config),
+        kernels=config.kernels,
+    )
     weights |= expert_slots(config, model_args(config)) if slots is None else slots
     if config.model:
         return M.from_pretrained(config.model, **weights)
