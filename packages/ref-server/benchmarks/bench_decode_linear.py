@@ -26,7 +26,7 @@ import sys
 import torch
 from bench_expert_gemm import ceilings, graph_ms
 
-from ref_server.model.fp8_gemm import triton_block_gemm
+from ref_server.kernels.fp8_gemm import triton_block_gemm
 
 FLUSH_BYTES = 256 << 20  # written before each timed replay: more than the H200's 50 MB L2
 SHAPES = {  # name: (n, k)

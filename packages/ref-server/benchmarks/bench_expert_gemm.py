@@ -32,12 +32,11 @@ import sys
 
 import torch
 
-from ref_server.model.activation_kernels import silu_mul, silu_mul_fp8
-from ref_server.model.expert_gemm import TRITON_MAX_GROUP_ROWS
-from ref_server.model.expert_swiglu import takes_fused_kernel
-from ref_server.model.fp8 import quantize_activations, quantize_blocks
-from ref_server.model.fp8_cast import cast_activations
-from ref_server.model.fp8_gemm import check_inputs, triton_block_gemm
+from ref_server.kernels.activation import silu_mul, silu_mul_fp8
+from ref_server.kernels.expert_gemm import TRITON_MAX_GROUP_ROWS
+from ref_server.kernels.expert_swiglu import takes_fused_kernel
+from ref_server.kernels.fp8_cast import cast_activations, quantize_activations, quantize_blocks
+from ref_server.kernels.fp8_gemm import check_inputs, triton_block_gemm
 
 # name: experts (local), n, k, experts a token picks among all, local share of the picks
 SHAPES = {

@@ -34,19 +34,19 @@ import time
 
 import torch
 
-from ref_server.model import cutlass_gemm
-from ref_server.model.fp8 import (
+from ref_server.kernels.fp8_cast import (
     dequantize_activations,
     dequantize_blocks,
     quantize_activations,
     quantize_blocks,
 )
-from ref_server.model.fp8_gemm import (
+from ref_server.kernels.fp8_gemm import (
     KernelConfig,
     block_gemm,
     scaled_mm_takes,
     triton_block_gemm,
 )
+from ref_server.model import cutlass_gemm
 
 TARGET, TARGET_M = 1.6, 4096
 LINEAR = {"q_a": (7168, 1536), "q_b": (1536, 24576), "kv_a": (7168, 576)}  # k, n

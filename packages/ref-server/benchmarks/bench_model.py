@@ -67,7 +67,7 @@ import ref_server.model as M
 from ref_server.engine import Engine, SchedulerConfig
 from ref_server.kernel_choice import KernelsUnavailable, parse_list
 from ref_server.model import StepBatch
-from ref_server.model.kernels import resolve
+from ref_server.model.kernel_set import resolve
 from ref_server.model.sampling import SamplingParams
 
 

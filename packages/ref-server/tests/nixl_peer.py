@@ -14,8 +14,7 @@ import sys
 import torch
 
 import ref_server.model as M
-from ref_server.services.kv_transfer import TransferError
-from ref_server.services.nixl_transfer import NixlCache, Pages
+from ref_server.services.nixl_transfer import NixlCache, NixlError, Pages
 
 
 def save(value, path: str) -> None:
@@ -48,7 +47,7 @@ def decode(given: str, out: str, blocks: list[int], case: str) -> None:
         target = "elsewhere" if case == "unknown-peer" else peer
         asked = blocks[:-1] if case == "short" else blocks
         result["moved"] = reader.read(target, Pages(kind, rows), asked, 10.0)
-    except TransferError as error:
+    except NixlError as error:
         result["error"] = str(error)
     result["layers"] = [layer.clone() for layer in reader.cache.layers]
     save(result, out)

@@ -11,15 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ref_server.model.activation_kernels import (
+from ref_server.kernels.activation import (
     DTYPES,
     silu_mul,
     silu_mul_fp8,
     triton_silu_mul,
     triton_silu_mul_fp8,
 )
-from ref_server.model.fp8 import quantize_activations
-from ref_server.model.fp8_cast import cast_activations
+from ref_server.kernels.fp8_cast import cast_activations, quantize_activations
 
 gpu = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ref_server.model import cutlass_gemm, fp8_gemm
-from ref_server.model.fp8 import fp8_block_gemm, quantize_activations, quantize_blocks
+from ref_server.kernels import cutlass_gemm, fp8_gemm
+from ref_server.kernels.fp8_cast import quantize_activations, quantize_blocks
+from ref_server.model.fp8 import fp8_block_gemm
 
 
 @pytest.fixture

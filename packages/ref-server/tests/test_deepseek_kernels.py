@@ -19,17 +19,12 @@ import torch
 import ref_server.model as M
 from ref_server import cli, kernel_choice
 from ref_server.kernel_choice import KernelsUnavailable, parse, parse_list
-from ref_server.model import kernels
+from ref_server.kernels.deepseek import DeepGemm
+from ref_server.kernels.fp8_cast import quantize_activations, quantize_blocks
+from ref_server.model import kernel_set
 from ref_server.model.attention import MLA_KERNELS
-from ref_server.model.deepseek import DeepGemm
 from ref_server.model.expert_parallel import ExpertParallel
-from ref_server.model.fp8 import (
-    FP8Experts,
-    FP8Linear,
-    fp8_block_gemm,
-    quantize_activations,
-    quantize_blocks,
-)
+from ref_server.model.fp8 import FP8Experts, FP8Linear, fp8_block_gemm
 from ref_server.model.step import StepBatch
 from ref_server.services.config import ServeConfig
 
@@ -54,7 +49,7 @@ def deepseek(monkeypatch):
     modules = SimpleNamespace(**{name: getattr(fakes, name)() for name in LIBRARIES})
     for name in LIBRARIES:
         monkeypatch.setitem(sys.modules, name, getattr(modules, name))
-    monkeypatch.setattr(kernels, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernel_set, "DEVICE_TYPES", ("cuda", "cpu"))
     return modules
 
 
@@ -112,7 +107,7 @@ def test_a_model_runs_deepseeks_parts_where_it_has_them_and_a_named_missing_part
 def test_ours_is_the_default_and_takes_none_of_deepseeks_libraries():
     default = M.from_preset("tiny", seed=3, weight_dtype="fp8")
     ours = M.from_preset("tiny", seed=3, weight_dtype="fp8", kernels="ours")
-    assert default.kernels == ours.kernels == kernels.OURS
+    assert default.kernels == ours.kernels == kernel_set.OURS
     assert default.kernels.describe() == "ours (ref-server's kernels, mla_kernels, ep_comm)"
     assert all(layer.self_attn.decode is MLA_KERNELS for layer in default.layers)
     fp8 = [m for m in default.modules() if isinstance(m, (FP8Linear, FP8Experts))]
@@ -139,7 +134,7 @@ def test_a_missing_library_is_one_line_naming_it_and_where_to_get_it(missing):
 def test_with_one_library_missing_the_error_offers_the_others(deepseek, monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)
     with pytest.raises(KernelsUnavailable, match=r"or choose kernels 'deepseek:attention'$"):
-        kernels.resolve(
+        kernel_set.resolve(
             "deepseek", device="cuda", dtype=torch.bfloat16, fp8=True, expert_parallel=False
         )
 
@@ -149,7 +144,7 @@ def test_a_library_that_fails_to_import_gives_its_own_error(tmp_path, monkeypatc
     (tmp_path / "flash_mla" / "__init__.py").write_text("raise AssertionError('Invalid NCCL')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(KernelsUnavailable, match=r"\(AssertionError: Invalid NCCL\): build it"):
-        kernels.resolve(
+        kernel_set.resolve(
             "deepseek:attention",
             device="cuda",
             dtype=torch.bfloat16,

@@ -17,9 +17,10 @@ import torch
 import ref_server.model as M
 from ep_comm.testing import run_ranks
 from ref_server import kernel_choice
-from ref_server.model import kernels
+from ref_server.kernels.fp8_cast import quantize_activations, quantize_blocks
+from ref_server.model import kernel_set
 from ref_server.model.attention import MLA_KERNELS
-from ref_server.model.fp8 import fp8_block_gemm, quantize_activations, quantize_blocks
+from ref_server.model.fp8 import fp8_block_gemm
 from ref_server.model.step import StepBatch
 
 pytestmark = pytest.mark.gpu
@@ -35,8 +36,8 @@ def imported(*names: str) -> None:
             pytest.skip(f"{name} does not import ({type(error).__name__}: {error})")
 
 
-def deepseek(spec: str, fp8: bool = True) -> kernels.KernelSet:
-    return kernels.resolve(
+def deepseek(spec: str, fp8: bool = True) -> kernel_set.KernelSet:
+    return kernel_set.resolve(
         spec, device="cuda", dtype=torch.bfloat16, fp8=fp8, expert_parallel=False
     )
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ref_server.model.expert_gemm import expert_gemm
-from ref_server.model.fp8_gemm import triton_block_gemm
+from ref_server.kernels.expert_gemm import expert_gemm
+from ref_server.kernels.fp8_gemm import triton_block_gemm
 
 gpu = pytest.mark.gpu
 

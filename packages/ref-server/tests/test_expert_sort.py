@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ref_server.model import expert_sort
-from ref_server.model.expert_sort import (
+from ref_server.kernels import expert_sort
+from ref_server.kernels.expert_sort import (
     MAX_EXPERTS,
     moe_sort_by_expert,
     moe_sort_by_expert_and_gather,

@@ -13,19 +13,19 @@ import pytest
 import torch
 
 import ref_server.model as M
-from ref_server.model import fp8, fp8_gemm, moe
-from ref_server.model.activation_kernels import silu_mul, triton_silu_mul
-from ref_server.model.expert_gemm import expert_gemm
-from ref_server.model.expert_swiglu import SWITCH, expert_swiglu, fused_by_environment
-from ref_server.model.fp8 import (
-    FP8Experts,
+from ref_server.kernels import fp8_gemm
+from ref_server.kernels.activation import silu_mul, triton_silu_mul
+from ref_server.kernels.expert_gemm import expert_gemm
+from ref_server.kernels.expert_swiglu import SWITCH, expert_swiglu, fused_by_environment
+from ref_server.kernels.fp8_cast import (
     dequantize_activations,
     dequantize_blocks,
-    fp8_block_gemm,
     quantize_activations,
     quantize_blocks,
 )
-from ref_server.model.fp8_gemm import triton_block_gemm
+from ref_server.kernels.fp8_gemm import triton_block_gemm
+from ref_server.model import fp8, moe
+from ref_server.model.fp8 import FP8Experts, fp8_block_gemm
 from ref_server.model.moe import Experts, RoutedExperts
 
 gpu = pytest.mark.gpu

@@ -13,17 +13,15 @@ from safetensors.torch import load_file
 import ref_server.model as M
 from ep_comm.fp8 import per_token_cast_to_fp8
 from ep_comm.testing import run_ranks
-from ref_server.model import ModelArgs
-from ref_server.model.checkpoint import checkpoint_tensors
-from ref_server.model.fp8 import (
-    FP8Experts,
-    FP8Linear,
+from ref_server.kernels.fp8_cast import (
     dequantize_activations,
     dequantize_blocks,
-    fp8_block_gemm,
     quantize_activations,
     quantize_blocks,
 )
+from ref_server.model import ModelArgs
+from ref_server.model.checkpoint import checkpoint_tensors
+from ref_server.model.fp8 import FP8Experts, FP8Linear, fp8_block_gemm
 
 # e4m3 keeps 3 mantissa bits: rounding is within 2^-4 of a normal value, and within half the
 # subnormal step (2^-10 in units of the scale) below 2^-6.

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ep_comm.fp8 import per_token_cast_to_fp8
-from ref_server.model.fp8_cast import blocks, cast_activations, triton_cast_activations
+from ref_server.kernels.fp8_cast import blocks, cast_activations, triton_cast_activations
 
 gpu = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn

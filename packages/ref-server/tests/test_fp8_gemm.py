@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ref_server.model import cutlass_gemm, fp8_gemm
-from ref_server.model.fp8 import (
+from ref_server.kernels import cutlass_gemm, fp8_gemm
+from ref_server.kernels.fp8_cast import (
     dequantize_activations,
     dequantize_blocks,
-    fp8_block_gemm,
     quantize_activations,
     quantize_blocks,
 )
-from ref_server.model.fp8_gemm import block_gemm, scaled_mm_takes, triton_block_gemm
+from ref_server.kernels.fp8_gemm import block_gemm, scaled_mm_takes, triton_block_gemm
+from ref_server.model.fp8 import fp8_block_gemm
 
 gpu = pytest.mark.gpu
 

@@ -12,10 +12,10 @@ import torch
 
 import mla_kernels
 import ref_server.model as M
-from ref_server.model.latent_kernels import cache_latent, triton_cache_latent
+from ref_server.kernels.latent import cache_latent, triton_cache_latent
+from ref_server.kernels.norm import rms_norm
+from ref_server.kernels.rope import rope, rope_into, triton_rope
 from ref_server.model.layers import Rope
-from ref_server.model.norm_kernels import rms_norm
-from ref_server.model.rope_kernels import rope, rope_into, triton_rope
 
 gpu = pytest.mark.gpu
 EPS = 1e-6

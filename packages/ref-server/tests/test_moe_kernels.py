@@ -1,5 +1,5 @@
 """The MoE's weighted sum (`moe_weighted_sum`: the torch reference on the CPU, the Triton kernel
-of `moe_kernels` on CUDA) against float64, and the router's GEMM; `gpu`-marked tests need CUDA.
+of `ref_server.kernels.moe` on CUDA) against float64, and the router's GEMM; `gpu`-marked tests need CUDA.
 
 Slots of experts on another rank (-1) point at rows the experts never wrote: the tests fill
 those rows, and the slots' weights, with NaN, which must not reach any sum."""
@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import ref_server.model as M
-from ref_server.model.moe import Gate, moe_weighted_sum
+from ref_server.kernels.moe import moe_weighted_sum
+from ref_server.model.moe import Gate
 
 
 def problem(n: int, k: int, hidden: int, dtype=torch.bfloat16, device="cpu", seed=0):

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import ref_server.model as M
-from ref_server.model import StepBatch
-from ref_server.model.layers import RMSNorm
-from ref_server.model.norm_kernels import (
+from ref_server.kernels.norm import (
     add_rms_norm,
     rms_norm,
     triton_add_rms_norm,
     triton_rms_norm,
 )
+from ref_server.model import StepBatch
+from ref_server.model.layers import RMSNorm
 
 gpu = pytest.mark.gpu
 EPS = 1e-6

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import ref_server.model as M
 from ref_server.engine import Engine, SchedulerConfig
+from ref_server.kernels.fp8_gemm import SCALED_MM_MIN_ROWS
 from ref_server.model import SamplingParams, StepBatch
-from ref_server.model.fp8_gemm import SCALED_MM_MIN_ROWS
 
 pytestmark = pytest.mark.gpu
 

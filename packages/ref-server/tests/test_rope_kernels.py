@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ref_server.model as M
+from ref_server.kernels.rope import MAX_ROPE, rope, rope_into, triton_rope
 from ref_server.model.layers import Rope, rotate
-from ref_server.model.rope_kernels import MAX_ROPE, rope, rope_into, triton_rope
 
 gpu = pytest.mark.gpu
 # DeepSeek's MLA widths: q's heads are 128 nope + 64 rope dims, kv_a's output a 512 latent and

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ref_server.model as M
-from ref_server.model.router_kernels import MAX_EXPERTS, moe_route, triton_moe_route
+from ref_server.kernels.routing import MAX_EXPERTS, moe_route, triton_moe_route
 
 gpu = pytest.mark.gpu
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]

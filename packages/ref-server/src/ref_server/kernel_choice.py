@@ -11,7 +11,7 @@ its experts are split over several ranks; "deepseek" asks for the parts the mode
 named part the model lacks is an error.
 
 Torch-free, so that the command line checks a value before loading anything;
-`ref_server.model.kernels` turns a choice into the implementations.
+`ref_server.model.kernel_set` turns a choice into the implementations.
 """
 
 from __future__ import annotations

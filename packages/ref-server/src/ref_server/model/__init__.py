@@ -24,7 +24,7 @@ from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
 from ref_server.model.fp8 import FP8Experts, FP8Linear, use_fp8
 from ref_server.model.generate import generate
-from ref_server.model.kernels import KernelSet, resolve
+from ref_server.model.kernel_set import KernelSet, resolve
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import SamplingParams
 from ref_server.model.step import StepBatch

@@ -21,11 +21,11 @@ from torch import nn
 from torch.nn.attention.bias import CausalVariant
 
 import mla_kernels
+from ref_server.kernels.latent import cache_latent
+from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
-from ref_server.model.latent_kernels import cache_latent
 from ref_server.model.layers import FusedLinear, RMSNorm, rotate
-from ref_server.model.rope_kernels import rope_into
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ref_server.kernels.fp8_cast import blocks, dequantize_blocks, quantize_blocks
 from ref_server.model.args import ModelArgs
-from ref_server.model.fp8 import blocks, dequantize_blocks, quantize_blocks
 from ref_server.model.transformer import Transformer
 
 

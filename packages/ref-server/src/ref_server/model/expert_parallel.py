@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ep_comm import Buffer, Config, EventOverlap
 from ep_comm.config import SCALE_BLOCK
 from ep_comm.low_latency_checks import MAX_TOKENS_PER_RANK, MAX_TOPK
-from ref_server.model.deepseek import deep_ep_buffer
+from ref_server.kernels.deepseek import deep_ep_buffer
 
 
 @dataclass

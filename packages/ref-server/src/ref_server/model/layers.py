@@ -8,10 +8,10 @@ import math
 import torch
 from torch import nn
 
-from ref_server.model.activation_kernels import silu_mul
+from ref_server.kernels.activation import silu_mul
+from ref_server.kernels.norm import add_rms_norm, rms_norm
+from ref_server.kernels.rope import rope
 from ref_server.model.args import ModelArgs, yarn_mscale
-from ref_server.model.norm_kernels import add_rms_norm, rms_norm
-from ref_server.model.rope_kernels import rope
 
 
 class RMSNorm(nn.Module):

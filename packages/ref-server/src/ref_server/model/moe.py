@@ -13,15 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap_sched import State, run
-from ref_server.model.activation_kernels import silu_mul
+from ref_server.kernels.activation import silu_mul
+from ref_server.kernels.expert_gemm import expert_gemm
+from ref_server.kernels.expert_sort import moe_sort_by_expert_and_gather
+from ref_server.kernels.expert_swiglu import expert_swiglu, fused_by_environment
+from ref_server.kernels.moe import moe_weighted_sum
+from ref_server.kernels.routing import moe_route
 from ref_server.model.args import ModelArgs
-from ref_server.model.expert_gemm import expert_gemm
 from ref_server.model.expert_location import ExpertLocation
 from ref_server.model.expert_parallel import Dispatched, Packed
-from ref_server.model.expert_sort import moe_sort_by_expert_and_gather
-from ref_server.model.expert_swiglu import expert_swiglu, fused_by_environment
 from ref_server.model.layers import MLP, RowParts
-from ref_server.model.router_kernels import moe_route
 
 
 class Gate(nn.Module):
@@ -64,40 +65,6 @@ class Gate(nn.Module):
             a.routed_scaling_factor,
             real_rows,
         )
-
-
-def _weighted_sum_reference(
-    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Each token's weighted sum of its rows of y: y `[m, hidden]` (bf16, fp16 or fp32),
-    rows `[n, k]` int64 (token t's slot j is row rows[t, j] of y; -1: none, that slot is
-    skipped and its weight never read), weights `[n, k]` fp32. The products are summed in fp32
-    in slot order; out `[n, hidden]` in y's dtype. No row of y is read but those named."""
-    n, k = rows.shape
-    out = torch.zeros(n, y.shape[1], dtype=torch.float32, device=y.device)
-    for slot in range(k):
-        token = (rows[:, slot] >= 0).nonzero().squeeze(1)
-        out.index_add_(0, token, y[rows[token, slot]].float() * weights[token, slot, None])
-    return out.to(y.dtype)
-
-
-# The reference serves every device but CUDA, where one Triton kernel gathers, weighs and sums
-# without the reference's host synchronization (nonzero) or per-slot fp32 copies.
-moe_weighted_sum = torch.library.custom_op(
-    "ref_server::moe_weighted_sum", _weighted_sum_reference, mutates_args=()
-)
-
-
-@moe_weighted_sum.register_kernel("cuda")
-def _weighted_sum_cuda(y, rows, weights):
-    from ref_server.model.moe_kernels import weighted_sum  # Triton: CUDA machines only
-
-    return weighted_sum(y, rows, weights)
-
-
-@moe_weighted_sum.register_fake
-def _weighted_sum_fake(y, rows, weights):
-    return y.new_empty(rows.shape[0], y.shape[1])
 
 
 class RoutedExperts(nn.Module):

@@ -22,7 +22,7 @@ from overlap_sched import Op, State, Yield, run, run_overlapped
 from ref_server.model.args import ModelArgs
 from ref_server.model.attention import MLA_KERNELS, Attention, DecodeAttention
 from ref_server.model.cache import PagedKVCache
-from ref_server.model.kernels import OURS, KernelSet
+from ref_server.model.kernel_set import OURS, KernelSet
 from ref_server.model.layers import MLP, RMSNorm, Rope
 from ref_server.model.moe import MoE
 from ref_server.model.step import StepBatch, StepMetadata

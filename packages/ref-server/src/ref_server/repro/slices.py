@@ -33,9 +33,9 @@ import torch
 
 import ref_server.model as M
 from overlap_sched import Recorder
+from ref_server.kernels.fp8_cast import quantize_activations
 from ref_server.model import StepBatch
 from ref_server.model.expert_parallel import Dispatched, Packed
-from ref_server.model.fp8 import quantize_activations
 from ref_server.model.sampling import SamplingParams, sample
 from ref_server.repro.projection import LayerTimes
 from ref_server.repro.schedule import OPS_OF_ITEM

@@ -41,6 +41,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from ref_server.model import PagedKVCache
 from ref_server.services.aio import background
 from ref_server.services.messages import PAGE_DTYPES, page_tensor
+from ref_server.services.nixl_transfer import NixlCache, NixlError, NixlUnavailable, Pages
 from ref_server.services.security import internal_channel
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
@@ -326,7 +327,6 @@ class KvPuller:
             return None, "the prefill instance restarted"
         if len(located.blocks) != num_pages or not located.nixl_pages.rows:
             raise ValueError(f"{len(located.blocks)} pages located, {num_pages} were prefilled")
-        from ref_server.services.nixl_transfer import Pages
 
         rows = np.frombuffer(located.nixl_pages.rows, dtype="<i8")
         layers = len(self.runner.cache.layers)
@@ -335,7 +335,10 @@ class KvPuller:
         wanted = rows.reshape(layers, num_pages, 3)[:, [index for index, _ in targets]]
         pages = Pages(located.nixl_pages.kind, np.ascontiguousarray(wanted).tobytes())
         blocks = [block for _, block in targets]
-        await asyncio.to_thread(self.nixl.read, peer.agent, pages, blocks, TRANSFER_TIMEOUT)
+        try:
+            await asyncio.to_thread(self.nixl.read, peer.agent, pages, blocks, TRANSFER_TIMEOUT)
+        except NixlError as error:
+            raise TransferError(str(error)) from None
         return NIXL, "across hosts" if self.method == "auto" else "--kv-transfer nixl"
 
     async def _nixl_peer(self, link: _Link) -> NixlPeer | None:
@@ -362,7 +365,10 @@ class KvPuller:
                 share.nixl = True
                 shared = await transfer.ShareCache(share, timeout=TRANSFER_TIMEOUT)
             if shared.nixl_metadata:
-                agent = await asyncio.to_thread(self.nixl.connect, shared.nixl_metadata)
+                try:
+                    agent = await asyncio.to_thread(self.nixl.connect, shared.nixl_metadata)
+                except NixlError as error:
+                    raise TransferError(str(error)) from None
                 peer = NixlPeer(shared.cache_id, agent, same_host)
             else:
                 log.warning("%s has no NIXL agent: %s", address, shared.nixl_unavailable)
@@ -374,9 +380,6 @@ class KvPuller:
         if self.closing.is_set():
             return False
         if self.nixl is None and self.why_not_nixl is None:
-            # imported here: nixl_transfer imports this module (and nixl loads only when used)
-            from ref_server.services.nixl_transfer import NixlCache, NixlUnavailable
-
             try:
                 self.nixl = NixlCache(self.runner.cache)
             except NixlUnavailable as error:

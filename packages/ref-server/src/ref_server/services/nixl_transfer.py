@@ -27,12 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ref_server.model import PagedKVCache
-from ref_server.services.kv_transfer import TransferError
 
 log = logging.getLogger(__name__)
 
 BACKEND = "UCX"
 MEMORY_KINDS = ("DRAM", "VRAM")
+
+
+class NixlError(RuntimeError):
+    """A NIXL read or connection that failed (kv_transfer makes it the request's TransferError)."""
 
 
 class NixlUnavailable(RuntimeError):
@@ -116,29 +119,29 @@ class NixlCache:
         return cache_pages(self.cache, blocks)
 
     def connect(self, metadata: bytes) -> str:
-        """The peer's agent name, added on first sight only; TransferError when this agent
+        """The peer's agent name, added on first sight only; NixlError when this agent
         cannot reach it."""
         if metadata not in self._peers:
             try:
                 self._peers[metadata] = self.agent.add_remote_agent(metadata)
             except Exception as error:  # nixl's bindings raise their own exception types
-                raise TransferError(f"no NIXL connection to the peer: {error}") from None
+                raise NixlError(f"no NIXL connection to the peer: {error}") from None
         return self._peers[metadata]
 
     def read(self, peer: str, pages: Pages, blocks: list[int], timeout: float) -> int:
         """The peer's `pages` into this cache's `blocks` (the same order, every layer); waits
-        for completion and returns the bytes read. TransferError when the sizes disagree, the
+        for completion and returns the bytes read. NixlError when the sizes disagree, the
         transfer fails or outlasts `timeout` seconds; the transfer's handle is released (an
         unfinished transfer cancelled) either way."""
         if peer not in self._peers.values():
-            raise TransferError(f"no NIXL connection to {peer!r}: connect() its metadata first")
+            raise NixlError(f"no NIXL connection to {peer!r}: connect() its metadata first")
         try:
             remote = pages.descriptors()
         except ValueError as error:
-            raise TransferError(f"the peer's pages: {error}") from None
+            raise NixlError(f"the peer's pages: {error}") from None
         local = np.frombuffer(self.pages(blocks).rows, dtype="<i8").reshape(-1, 3)
         if remote.shape != local.shape or (remote[:, 1] != local[:, 1].astype(np.uint64)).any():
-            raise TransferError(
+            raise NixlError(
                 f"the peer offers {len(remote)} pages, {len(blocks)} blocks x "
                 f"{len(self.cache.layers)} layers of this cache's page size were asked for"
             )
@@ -151,7 +154,7 @@ class NixlCache:
                 peer,
             )
         except Exception as error:  # nixl's bindings raise their own exception types
-            raise TransferError(f"{what} could not start: {error}") from None
+            raise NixlError(f"{what} could not start: {error}") from None
         try:
             self._finish(handle, what, timeout)
         finally:
@@ -167,15 +170,15 @@ class NixlCache:
             deadline = time.monotonic() + timeout
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TransferError(f"{what} outlasted {timeout:g} s")
+                    raise NixlError(f"{what} outlasted {timeout:g} s")
                 time.sleep(0.0005)
                 state = self.agent.check_xfer_state(handle)
-        except TransferError:
+        except NixlError:
             raise
         except Exception as error:
-            raise TransferError(f"{what} failed: {error}") from None
+            raise NixlError(f"{what} failed: {error}") from None
         if state != "DONE":
-            raise TransferError(f"{what} failed")
+            raise NixlError(f"{what} failed")
 
     def close(self) -> None:
         """Forget the peers and deregister the cache."""

@@ -1,7 +1,7 @@
 """DeepSeek's libraries where the model calls ours: DeepGEMM for the FP8 GEMMs (`DeepGemm`) and
 DeepEP for the expert exchange (`deep_ep_buffer`). FlashMLA needs no adapter: it has the call
 surface mla_kernels copies (`attention.DecodeAttention`). Each takes the imported library, so
-this module imports none of them (`ref_server.model.kernels` does, when a model asks).
+this module imports none of them (`ref_server.model.kernel_set` does, when a model asks).
 
 Coded against DeepGEMM 2.6.1 (54e2261) and DeepEP 2.1.0 (dd758ca) on sm90, where DeepGEMM takes
 fp32 scales and writes bf16; see docs/model.md ("Kernels: ours or DeepSeek's").
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.fp8_gemm import check_inputs
+from ref_server.kernels.fp8_gemm import check_inputs
 
 
 class DeepGemm:

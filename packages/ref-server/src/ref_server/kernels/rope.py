@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from ref_server.model.pdl import launch_options
+from ref_server.kernels.pdl import launch_options
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Pairs a program rotates: 4 for each thread of 4 warps (16 heads of DeepSeek's 32 pairs).

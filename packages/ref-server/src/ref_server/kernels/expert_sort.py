@@ -44,7 +44,7 @@ import functools
 
 import torch
 
-from ref_server.model.pdl import launch_options
+from ref_server.kernels.pdl import launch_options
 
 CHUNK = 2048  # slots ranked together: every decode batch (256 tokens x 8) is one chunk
 BLOCK = 16  # slots (or experts) a placing program ranks

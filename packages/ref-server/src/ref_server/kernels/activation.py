@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from ep_comm.fp8 import AMAX_FLOOR, FP8_MAX
-from ref_server.model import fp8_cast
-from ref_server.model.fp8_cast import BLOCK_ROWS, NUM_WARPS, blocks, cast_activations
-from ref_server.model.pdl import launch_options
+from ref_server.kernels import fp8_cast
+from ref_server.kernels.fp8_cast import BLOCK_ROWS, NUM_WARPS, blocks, cast_activations
+from ref_server.kernels.pdl import launch_options
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Columns per program of silu_mul: 1024 values are 8 for each thread of 4 warps (16 bytes of

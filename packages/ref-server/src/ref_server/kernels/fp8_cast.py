@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ep_comm.fp8 import AMAX_FLOOR, FP8_MAX, per_token_cast_to_fp8
-from ref_server.model.pdl import launch_options
+from ref_server.kernels.pdl import launch_options
 
 BLOCK = 128  # channels per scale
 FP8 = torch.float8_e4m3fn
@@ -221,3 +221,40 @@ def _cast_tile(
         e4m3 = tl.where(magnitude > 0x7F800000, 0x7F, e4m3)  # NaN (saturated: no infinities)
         e4m3 = (e4m3 | ((bits >> 24) & 0x80)).to(tl.uint8)
     return e4m3, scale
+
+
+# The block-scaled formats DeepSeek-V3's FP8 weights and activations come in, and their
+# plain-torch inverses (the GEMMs' reference path).
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w `[..., out, in]` (any float dtype) to e4m3 values `[..., out, in]` and scale_inv
+    `[..., ceil(out/128), ceil(in/128)]` fp32: per 128 x 128 block (the last ones partial),
+    scale_inv = amax / 448 (amax floored at 1e-4), values = w / scale_inv saturated to +-448."""
+    rows, cols = w.shape[-2:]
+    padded = F.pad(w.float(), (0, blocks(cols) * BLOCK - cols, 0, blocks(rows) * BLOCK - rows))
+    tiles = padded.unflatten(-1, (-1, BLOCK)).unflatten(-3, (-1, BLOCK))  # [.., R, 128, C, 128]
+    amax = tiles.abs().amax(dim=(-3, -1)).clamp(min=AMAX_FLOOR)
+    scale_inv = amax / FP8_MAX
+    values = (tiles / scale_inv[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.flatten(-4, -3).flatten(-2)[..., :rows, :cols].contiguous(), scale_inv
+
+
+def dequantize_blocks(w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """e4m3 `[..., out, in]` times its block scales `[..., ceil(out/128), ceil(in/128)]`: fp32."""
+    rows, cols = w_fp8.shape[-2:]
+    scale = scale_inv.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    return w_fp8.float() * scale[..., :rows, :cols]
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[..., k]` (bf16, fp16 or fp32) to e4m3 values `[..., k]` and scales
+    `[..., ceil(k/128)]` fp32, one per token and 128 channels (`per_token_cast_to_fp8`, bit for
+    bit; a partial last group is padded with zeros, which leave its amax alone), through the
+    operator `ref_server::fp8_cast_activations` (`fp8_cast`): one Triton kernel on CUDA."""
+    return cast_activations(x)
+
+
+def dequantize_activations(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 `[..., k]` times its scales `[..., ceil(k/128)]`: fp32."""
+    return x_fp8.float() * scales.repeat_interleave(BLOCK, -1)[..., : x_fp8.shape[-1]]

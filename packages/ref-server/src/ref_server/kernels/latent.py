@@ -29,17 +29,17 @@ import functools
 import torch
 
 import mla_kernels
-from ref_server.model import rope_kernels
-from ref_server.model.norm_kernels import KERNEL_DTYPES, _rms_norm_reference
-from ref_server.model.pdl import launch_options
-from ref_server.model.rope_kernels import (
+from ref_server.kernels import rope
+from ref_server.kernels.norm import KERNEL_DTYPES, _rms_norm_reference
+from ref_server.kernels.pdl import launch_options
+from ref_server.kernels.rope import (
     PAIRS_PER_PROGRAM,
     _rotated,
     check_destination,
     check_no_overlap,
     same_view,
 )
-from ref_server.model.rope_kernels import check_inputs as check_rope
+from ref_server.kernels.rope import check_inputs as check_rope
 
 LATENT, ROPE = 512, 64
 QUERY_NAMES = ("q", "q_out")  # rope_into's x and out, as this operator calls them
@@ -193,12 +193,12 @@ tl = None  # triton.language, once _triton_kernel() has imported it
 @functools.cache
 def _triton_kernel():
     """(triton, the compiled `_cache_latent_kernel`): triton is imported here, on first use (and
-    rope_kernels' `rotate_pairs` made). The token count is the grid's only."""
+    rope's `rotate_pairs` made). The token count is the grid's only."""
     global tl
     import triton
     import triton.language as tl
 
-    rope_kernels._triton_kernel()
+    rope._triton_kernel()
     return triton, triton.jit(_cache_latent_kernel, do_not_specialize=["kv_stride"])
 
 
@@ -252,7 +252,7 @@ def _cache_latent_kernel(
     x2 = tl.load(row + LATENT + second).to(tl.float32)
     c = tl.load(cos + token * HALF + pair).to(tl.float32)
     s = tl.load(sin + token * HALF + pair).to(tl.float32)
-    rotated_first, rotated_second = rope_kernels.rotate_pairs(x1, x2, c, s, dtype)
+    rotated_first, rotated_second = rope.rotate_pairs(x1, x2, c, s, dtype)
     out = cache + tl.load(slots + token).to(tl.int64) * (LATENT + 2 * HALF)
     cache_dtype = cache.dtype.element_ty
     tl.store(out + cols, latent.to(cache_dtype))
@@ -269,7 +269,7 @@ def _cache_latent_kernel(
         q2 = tl.load(q_head + second[None, :], mask=inside).to(tl.float32)
         if IN_PLACE:  # a thread's values are others' to write (the pairs de-interleave)
             tl.debug_barrier()
-        q_first, q_second = rope_kernels.rotate_pairs(q1, q2, c[None, :], s[None, :], dtype)
+        q_first, q_second = rope.rotate_pairs(q1, q2, c[None, :], s[None, :], dtype)
         out_head = out_token + head * out_head_stride
         tl.store(out_head + pair[None, :], q_first, mask=inside)
         tl.store(out_head + HALF + pair[None, :], q_second, mask=inside)

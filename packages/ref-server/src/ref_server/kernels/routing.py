@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from ref_server.model.pdl import launch_options
+from ref_server.kernels.pdl import launch_options
 
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Most experts the kernel holds in registers (32 per thread of its 1 to 4 warps); more take the

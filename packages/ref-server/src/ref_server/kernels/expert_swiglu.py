@@ -25,9 +25,9 @@ import os
 
 import torch
 
-from ref_server.model.activation_kernels import silu_mul
-from ref_server.model.expert_gemm import expert_gemm, takes_triton
-from ref_server.model.fp8_gemm import (
+from ref_server.kernels.activation import silu_mul
+from ref_server.kernels.expert_gemm import expert_gemm, takes_triton
+from ref_server.kernels.fp8_gemm import (
     FP8,
     Layout,
     block_gemm,

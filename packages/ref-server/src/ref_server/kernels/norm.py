@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from ref_server.model.pdl import launch_options
+from ref_server.kernels.pdl import launch_options
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Widest row the kernel holds in registers: 32 fp32 values for each thread of 16 warps. Wider

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ref_server.kernel_choice import LIBRARIES, PARTS, KernelsUnavailable, parse, unavailable
+from ref_server.kernels.deepseek import DeepGemm
 from ref_server.model.attention import MLA_KERNELS, DecodeAttention
-from ref_server.model.deepseek import DeepGemm
 from ref_server.model.fp8 import fp8_block_gemm
 
 # Where DeepSeek's libraries run: CUDA (their kernels are sm90's).

@@ -46,8 +46,9 @@ from typing import NamedTuple
 
 import torch
 
-from ref_server.model import activation_kernels, cutlass_gemm
-from ref_server.model.pdl import launch_options
+from ref_server.kernels import activation, cutlass_gemm
+from ref_server.kernels.fp8_cast import dequantize_activations, dequantize_blocks
+from ref_server.kernels.pdl import launch_options
 
 BLOCK = 128  # the scales' block: 128 channels of a token, 128 x 128 of a weight
 FP8 = torch.float8_e4m3fn
@@ -171,7 +172,6 @@ def block_gemm(
 
     This body is the reference, on any device: both operands dequantized to fp32, one matmul."""
     check_inputs(x, x_scales, w, w_scales, offsets, counts, out_dtype, backend)
-    from ref_server.model.fp8 import dequantize_activations, dequantize_blocks  # fp8 imports us
 
     a = dequantize_activations(x, x_scales)
     b = dequantize_blocks(w, w_scales).transpose(-2, -1)
@@ -411,7 +411,7 @@ def triton_block_gemm(
         w_in = TensorDescriptor.from_tensor(w, [program_cols, block_k])
     sizes = offsets if offsets is not None else counts
     # the activation's exp is libdevice's on CUDA, linked without flushing subnormals to zero
-    # (as `activation_kernels` compiles it: torch's formula bit for bit)
+    # (as `activation` compiles it: torch's formula bit for bit)
     activation = dict(SWIGLU=swiglu, LIBDEVICE=x.is_cuda, enable_reflect_ftz=False)
     kernel[(tile_rows * tile_cols * split_k,)](
         x_in,
@@ -477,7 +477,7 @@ def _triton_kernels():
     import triton
     import triton.language as tl
 
-    activation_kernels._triton_kernels()  # which makes activation_kernels.silu_mul_tile
+    activation._triton_kernels()  # which makes activation.silu_mul_tile
     split_sum = triton.jit(_split_sum)
     unspecialized = ["rows", "group_rows", "groups", "tile_rows"]
     gemm = triton.jit(_block_gemm_kernel, do_not_specialize=unspecialized)
@@ -518,7 +518,7 @@ def _sum_splits_kernel(
         span = 2 * numel.to(tl.int64)
         gate = split_sum(partial, gate_at, inside, span, SPLIT_K).to(dtype)
         up = split_sum(partial, gate_at + n, inside, span, SPLIT_K).to(dtype)
-        total = activation_kernels.silu_mul_tile(gate, up, LIBDEVICE)
+        total = activation.silu_mul_tile(gate, up, LIBDEVICE)
     else:
         total = split_sum(partial, index, inside, numel, SPLIT_K)
     tl.store(out + index, total.to(dtype), mask=inside)
@@ -661,7 +661,7 @@ def _block_gemm_kernel(
     elif SPLIT_K == 1:
         tl.store(
             out_ptrs,
-            activation_kernels.silu_mul_tile(acc.to(dtype), up.to(dtype), LIBDEVICE),
+            activation.silu_mul_tile(acc.to(dtype), up.to(dtype), LIBDEVICE),
             mask=mask,
         )
     else:  # fp32 partial sums; `_sum_splits_kernel` applies the activation

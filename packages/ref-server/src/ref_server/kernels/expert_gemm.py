@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.fp8_gemm import UNSCALED_DTYPES, Layout, check_inputs, triton_block_gemm
+from ref_server.kernels.fp8_gemm import UNSCALED_DTYPES, Layout, check_inputs, triton_block_gemm
 
 # Rows per expert (on average) up to which the CUDA implementation takes the Triton kernel
 # (bench_expert_gemm.py on the H200: it is faster than CUTLASS's grouped GEMM below).
