@@ -245,6 +245,13 @@ def tiny_defaults() -> ServeConfig:
     return ServeConfig(preset="tiny", device="cpu", max_model_len=512)
 
 
+def keyed_app(router: Router):
+    """The HTTP API over `router`, for clients with the keys alpha and beta."""
+    return create_app(
+        router, ApiKeys(frozenset({"alpha", "beta"})), lambda: True, router.metrics, 1 << 20
+    )
+
+
 def post(http: TestClient, key: str, n: int) -> httpx.Response:
     body = dict(prompt=[5, 6], max_tokens=1, n=n)
     return http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
@@ -260,8 +267,7 @@ def test_a_request_s_choices_are_admitted_all_or_none(serving):
     its choices started, so none was cancelled either."""
     release = threading.Event()
     router = held_router(release, max_inflight=3, tenant_share=1.0)
-    keys = ApiKeys(frozenset({"alpha", "beta"}))
-    app = create_app(router, keys, lambda: True, router.metrics, 1 << 20)
+    app = keyed_app(router)
     with TestClient(app) as http, ThreadPoolExecutor(2) as pool:
         try:
             held = pool.submit(post, http, "alpha", 2)
@@ -286,8 +292,7 @@ def test_a_tenant_holds_at_most_its_share_of_max_inflight(serving):
     beta still gets two."""
     release = threading.Event()
     router = held_router(release, max_inflight=4, tenant_share=0.5)
-    keys = ApiKeys(frozenset({"alpha", "beta"}))
-    app = create_app(router, keys, lambda: True, router.metrics, 1 << 20)
+    app = keyed_app(router)
     with TestClient(app) as http, ThreadPoolExecutor(3) as pool:
         try:
             alpha = pool.submit(post, http, "alpha", 2)
