@@ -1,7 +1,12 @@
 import math
+import os
 
 import pytest
 import torch
+
+# Triton reads this when it is imported: without a GPU its kernels run in its interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels.fp8_layout import dequantize_fp8
 from mla_kernels.testing import NAN_BYTE, DecodeCase, decode_case
@@ -42,6 +47,33 @@ def float64_attention(case: DecodeCase, softmax_scale: float, causal: bool):
 @pytest.fixture
 def oracle():
     return float64_attention
+
+
+def float64_sparse_attention(q, tokens, indices, softmax_scale, is_fp8_kvcache):
+    """Row by row in float64 from the definition: q `[n, h_q, 576]` attends the rows of tokens
+    `[num_slots, 576 or 656]` that indices `[n, topk]` name (an FP8 token read as value * scale
+    rounded to q's dtype). Returns out `[n, h_q, 512]`, max_logits and lse `[n, h_q]`."""
+    cache = dequantize_fp8(tokens).to(q.dtype) if is_fp8_kvcache else tokens
+    cache = cache.cpu().double()
+    n, h_q, _ = q.shape
+    out = torch.zeros(n, h_q, 512, dtype=torch.float64)
+    max_logits = torch.full((n, h_q), -math.inf, dtype=torch.float64)
+    lse = torch.full((n, h_q), math.inf, dtype=torch.float64)
+    for row, chosen in enumerate(indices.tolist()):
+        attended = [slot for slot in chosen if 0 <= slot < cache.shape[0]]
+        if not attended:
+            continue
+        kv = cache[attended]  # [attended, 576]
+        scores = q[row].cpu().double() @ kv.T * softmax_scale  # [h_q, attended]
+        max_logits[row] = scores.max(dim=-1).values
+        lse[row] = torch.logsumexp(scores, dim=-1)
+        out[row] = torch.softmax(scores, dim=-1) @ kv[:, :512]
+    return out, max_logits, lse
+
+
+@pytest.fixture
+def sparse_oracle():
+    return float64_sparse_attention
 
 
 def case_with_missing_blocks(s_q, h_q, is_fp8_kvcache, device, generator) -> DecodeCase:

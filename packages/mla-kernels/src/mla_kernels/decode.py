@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_kernels import reference, scheduler
+from mla_kernels import reference, scheduler, sparse
 from mla_kernels.extension import backend, fp8_in_registers, load_extension
 from mla_kernels.fp8_layout import FP8_CACHE_DTYPES, FP8_TOKEN_BYTES
 from mla_kernels.reference import HEAD_DIM, HEAD_DIM_V
@@ -46,18 +46,20 @@ def get_mla_metadata(
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
     head_dim_v: int,
-    tile_scheduler_metadata: torch.Tensor,
-    num_splits: torch.Tensor,
+    tile_scheduler_metadata: torch.Tensor | None,
+    num_splits: torch.Tensor | None,
     softmax_scale: float | None = None,
     causal: bool = False,
     is_fp8_kvcache: bool = False,
+    indices: torch.Tensor | None = None,
     *,
     check_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of `q` over the paged MLA cache.
+    """Decode attention of `q` over the paged MLA cache: dense over each sequence's tokens,
+    or sparse over the tokens `indices` names.
 
     q: `[b, s_q, h_q, 576]` bfloat16 or float16, s_q <= 4, h_q a multiple of h_kv, <= 128.
     k_cache: `[num_blocks, page_size, h_kv, 576]` in q's dtype, or with `is_fp8_kvcache`
@@ -69,6 +71,11 @@ def flash_mla_with_kvcache(
     tile_scheduler_metadata, num_splits: from `get_mla_metadata` for these cache_seqlens.
     softmax_scale: default 576 ** -0.5.
     causal: with s_q > 1, query s sees the first `seqlen - s_q + s + 1` tokens.
+    indices: sparse attention: int32 `[b, s_q, topk]`, each the cache slot
+        `block * page_size + offset` of a token query (b, s) attends; an entry outside the
+        cache (-1 by convention) is not attended. Then h_kv must be 1, q bfloat16, causal
+        False, and block_table, cache_seqlens, tile_scheduler_metadata and num_splits are
+        ignored (None will do); see `mla_kernels.sparse`.
     check_values: a debugging aid: raise ValueError for cache_seqlens beyond the block table
         and for block_table entries a sequence uses that lie outside the cache, at the cost of
         a device-to-host synchronization; skipped while a CUDA graph is being captured.
@@ -76,6 +83,10 @@ def flash_mla_with_kvcache(
     Returns out `[b, s_q, h_q, 512]` in q's dtype and lse float32 `[b, h_q, s_q]`; a query that
     sees no token gets out = 0 and lse = +inf.
     """
+    if indices is not None:
+        return sparse.sparse_decode(
+            q, k_cache, indices, head_dim_v, softmax_scale, causal, is_fp8_kvcache
+        )
     _check_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache)
     _check_metadata(tile_scheduler_metadata, num_splits, q)
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()

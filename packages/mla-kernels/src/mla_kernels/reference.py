@@ -75,3 +75,36 @@ def mla_decode(
     out = torch.einsum("bgksn,bngd->bsgkd", probs, values).reshape(b, s_q, h_q, HEAD_DIM_V)
     lse = torch.where(seen, lse, float("inf")).reshape(b, h_q, s_q)
     return out.to(q.dtype), lse
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    tokens: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    is_fp8_kvcache: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of each query row over the tokens its indices name.
+
+    q `[n, h_q, 576]`; tokens `[num_slots, 576]` in q's dtype, or `[num_slots, 656]` in the FP8
+    layout (read as value * scale rounded to q's dtype); indices int `[n, topk]`, slots into
+    tokens, any entry outside `[0, num_slots)` not attended. The math runs in float32, or in
+    float64 for a float64 q. Returns out `[n, h_q, 512]` (q's dtype), and float32 (float64)
+    max_logits `[n, h_q]` (the largest scaled score) and lse `[n, h_q]` (natural log); a row
+    that attends no token gets out = 0, max_logits = -inf and lse = +inf.
+    """
+    num_slots = tokens.shape[0]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    valid = (indices >= 0) & (indices < num_slots)  # [n, topk]
+    gathered = tokens[torch.where(valid, indices, 0).long()]  # [n, topk, width]
+    kv = dequantize_fp8(gathered).to(q.dtype) if is_fp8_kvcache else gathered
+    # Unattended slots may hold NaN, and 0 * NaN would reach the sum.
+    kv = torch.where(valid.unsqueeze(-1), kv.to(compute), 0.0)
+    scores = torch.einsum("nhd,ntd->nht", q.to(compute), kv) * softmax_scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, h_q]
+    max_logits = scores.amax(dim=-1)
+    seen = valid.any(dim=-1, keepdim=True)  # [n, 1]
+    probs = torch.exp(scores - torch.where(seen, lse, 0.0).unsqueeze(-1))
+    out = torch.einsum("nht,ntd->nhd", probs, kv[..., :HEAD_DIM_V])
+    return out.to(q.dtype), max_logits, torch.where(seen, lse, float("inf"))

@@ -129,3 +129,57 @@ def dequantized(case: DecodeCase) -> DecodeCase:
     the bf16/fp16 cache whose attention the FP8 one computes."""
     k_cache = dequantize_fp8(case.k_cache).to(case.q.dtype)
     return DecodeCase(case.q, k_cache, case.block_table, case.cache_seqlens, False)
+
+
+@dataclass
+class SparseDecodeCase:
+    paged: DecodeCase  # q (bf16) and the paged cache (h_kv = 1), with its block table
+    indices: torch.Tensor  # int32 [b, s_q, topk]: cache slots, -1 for none
+    positions: torch.Tensor  # int64 [b, s_q, topk]: the same tokens as positions in their sequence
+
+
+def random_positions(
+    seqlens: list[int], s_q: int, topk: int, invalid: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Distinct token positions of each sequence for each query, as an indexer's top-k picks
+    them: `[b, s_q, topk]`, -1 where a sequence has fewer than topk tokens and for a fraction
+    `invalid` of the entries."""
+    device = generator.device if generator is not None else "cpu"
+    like = {"generator": generator, "device": device}
+    rows = []
+    for n in seqlens:
+        order = torch.rand(s_q, n, **like).argsort(dim=-1)[:, :topk]
+        rows.append(torch.nn.functional.pad(order, (0, topk - order.shape[1]), value=-1))
+    positions = torch.stack(rows)
+    dropped = torch.rand(positions.shape, **like) < invalid
+    return positions.masked_fill(dropped, -1)
+
+
+def slots_of(positions: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Cache slots (block * page_size + offset) of token positions `[b, ...]`; -1 stays -1."""
+    b = positions.shape[0]
+    flat = positions.reshape(b, -1).clamp(min=0)
+    blocks = block_table.long().gather(1, flat // page_size)
+    slots = (blocks * page_size + flat % page_size).view(positions.shape)
+    return torch.where(positions >= 0, slots, -1).to(torch.int32)
+
+
+def sparse_decode_case(
+    seqlens: list[int],
+    s_q: int,
+    h_q: int,
+    topk: int,
+    page_size: int = 64,
+    is_fp8_kvcache: bool = False,
+    invalid: float = 0.1,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+) -> SparseDecodeCase:
+    """A paged cache as `decode_case` builds it (NaN in every unwritten slot) and each query's
+    topk tokens of its sequence (`random_positions`) as cache slots."""
+    case = decode_case(
+        seqlens, s_q, h_q, 1, page_size, torch.bfloat16, is_fp8_kvcache, device, generator
+    )
+    positions = random_positions(seqlens, s_q, topk, invalid, generator)
+    indices = slots_of(positions, case.block_table, page_size)
+    return SparseDecodeCase(case, indices, positions)

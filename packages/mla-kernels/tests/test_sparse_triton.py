@@ -1,0 +1,115 @@
+"""The sparse Triton kernels in Triton's interpreter (CPU tensors) against the torch reference.
+
+conftest.py sets TRITON_INTERPRET=1 on machines without CUDA; on a GPU machine these tests
+are skipped and test_sparse_cuda.py runs the compiled kernels instead.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton
+
+import mla_kernels
+from mla_kernels import reference, sparse_triton
+from mla_kernels.testing import sparse_decode_case
+
+pytestmark = pytest.mark.skipif(
+    not triton.knobs.runtime.interpret, reason="needs TRITON_INTERPRET=1 when Triton is imported"
+)
+
+
+def flat(case):
+    b, s_q, h_q, _ = case.paged.q.shape
+    cache = case.paged.k_cache
+    return (
+        case.paged.q.view(b * s_q, h_q, 576),
+        cache.view(-1, cache.shape[-1]),
+        case.indices.view(b * s_q, -1),
+    )
+
+
+def poison_empty(monkeypatch):
+    """Outputs the kernels allocate start as NaN, so an element they leave unwritten shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def assert_close(actual, expected):
+    (out, max_logits, lse), (ref_out, ref_max, ref_lse) = actual, expected
+    assert out.dtype == torch.bfloat16 and lse.dtype == max_logits.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any() and not max_logits.isnan().any()
+    assert torch.equal(lse.isposinf(), ref_lse.isposinf())
+    assert torch.equal(max_logits.isneginf(), ref_max.isneginf())
+    seen = ref_lse.isfinite()
+    assert (lse[seen] - ref_lse[seen]).abs().max() < 1e-4
+    assert (max_logits[seen] - ref_max[seen]).abs().max() < 1e-4
+    # The kernel rounds the probabilities to bf16 before the second product.
+    error = (out.double() - ref_out.double()).norm() / ref_out.double().norm()
+    assert error.item() < 5e-3
+    assert (out[~seen] == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+@pytest.mark.parametrize(
+    ("seqlens", "s_q", "h_q", "topk", "page_size"),
+    [
+        ([200, 90], 2, 16, 128, 64),
+        ([300], 2, 5, 192, 16),  # heads padded to the tile, three tiles of indices
+        ([130, 20], 1, 128, 64, 32),  # two head blocks; the second sequence pads with -1
+    ],
+)
+def test_kernel_matches_the_reference(
+    seqlens, s_q, h_q, topk, page_size, is_fp8_kvcache, num_splits, generator, monkeypatch
+):
+    case = sparse_decode_case(seqlens, s_q, h_q, topk, page_size, is_fp8_kvcache, invalid=0.2,
+                              generator=generator)  # fmt: skip
+    case.indices[0, 0] = -1  # a query row that attends nothing
+    q, tokens, indices = flat(case)
+    expected = reference.sparse_attention(q, tokens, indices, 0.06, is_fp8_kvcache)
+    poison_empty(monkeypatch)
+    actual = sparse_triton.sparse_attention(q, tokens, indices, 0.06, is_fp8_kvcache, num_splits)
+    assert_close(actual, expected)
+
+
+def test_more_splits_than_tiles_and_uneven_splits(generator):
+    case = sparse_decode_case([400], 1, 16, 200, generator=generator)
+    q, tokens, indices = flat(case)
+    expected = reference.sparse_attention(q, tokens, indices, 0.06, False)
+    for num_splits in (2, 4, 9):  # 2 uneven splits (128 + 72), 4 of one tile each, 9 → 4
+        assert_close(sparse_triton.sparse_attention(q, tokens, indices, 0.06, False, num_splits),
+                     expected)  # fmt: skip
+
+
+def test_default_splits_fill_the_sms():
+    assert sparse_triton.default_num_splits(64, 64, 2048, 132) == 3
+    assert sparse_triton.default_num_splits(64, 128, 2048, 132) == 2
+    assert sparse_triton.default_num_splits(128, 128, 2048, 132) == 1
+    assert sparse_triton.default_num_splits(1, 16, 128, 132) == 2  # at most one split per tile
+
+
+def test_public_calls_run_the_kernel(generator, monkeypatch, sparse_oracle):
+    monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "triton")
+    case = sparse_decode_case([150, 80], 2, 8, 64, is_fp8_kvcache=True, generator=generator)
+    out, lse = mla_kernels.flash_mla_with_kvcache(
+        case.paged.q, case.paged.k_cache, None, None, 512, None, None,
+        is_fp8_kvcache=True, indices=case.indices,
+    )  # fmt: skip
+    expected_out, _, expected_lse = sparse_oracle(*flat(case), 576**-0.5, True)
+    assert (out.double() - expected_out.view(2, 2, 8, 512)).norm() / expected_out.norm() < 5e-3
+    assert (lse - expected_lse.view(2, 2, 8).transpose(1, 2)).abs().max() < 1e-4
+
+    q = torch.randn(3, 16, 576, generator=generator).to(torch.bfloat16)
+    kv = torch.randn(100, 1, 576, generator=generator).to(torch.bfloat16)
+    indices = torch.randint(-1, 110, (3, 1, 128), generator=generator, dtype=torch.int32)
+    out, max_logits, lse = mla_kernels.flash_mla_sparse_fwd(q, kv, indices, 0.05)
+    expected = sparse_oracle(q, kv.view(100, 576), indices.view(3, 128), 0.05, False)
+    assert (out.double() - expected[0]).norm() / expected[0].norm() < 5e-3
+    assert (max_logits - expected[1]).abs().max() < 1e-4
+    assert (lse - expected[2]).abs().max() < 1e-4
