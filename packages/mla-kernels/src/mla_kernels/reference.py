@@ -96,7 +96,8 @@ def sparse_attention(
     num_slots = tokens.shape[0]
     compute = torch.promote_types(q.dtype, torch.float32)
     valid = (indices >= 0) & (indices < num_slots)  # [n, topk]
-    gathered = tokens[torch.where(valid, indices, 0).long()]  # [n, topk, width]
+    source = tokens.view(torch.uint8) if is_fp8_kvcache else tokens
+    gathered = source[torch.where(valid, indices, 0).long()]  # [n, topk, width]
     kv = dequantize_fp8(gathered).to(q.dtype) if is_fp8_kvcache else gathered
     # Unattended slots may hold NaN, and 0 * NaN would reach the sum.
     kv = torch.where(valid.unsqueeze(-1), kv.to(compute), 0.0)

@@ -1,7 +1,7 @@
 """Triton kernels of sparse MLA attention: each query row attends the cache slots it names.
 
 One program per (query row, block of heads, split of the indices), as FlashMLA's sparse
-kernels: it walks its split 64 slots at a time, gathers those tokens (dequantizing the FP8
+kernels: it walks its split 32 slots at a time, gathers those tokens (dequantizing the FP8
 layout in registers: 512 e4m3 values times the float32 scale of their 128-group, rounded to
 bf16, and 64 bf16 rope values), and keeps an online softmax with both products on the tensor
 cores (bf16 operands, float32 accumulation). With more than one split, each writes its
@@ -25,9 +25,16 @@ import triton.language as tl
 
 from mla_kernels.fp8_layout import LATENT_DIM, NUM_SCALES, ROPE_DIM, SCALE_GROUP
 
-BLOCK_N = 64
+BLOCK_N = 32
+COMBINE_BLOCK_H = 16
 MAX_BLOCK_H = 64
 LOG2_E = 1.4426950408889634
+# Kernels read module globals only as constexprs.
+LATENT: tl.constexpr = tl.constexpr(LATENT_DIM)
+ROPE: tl.constexpr = tl.constexpr(ROPE_DIM)
+SCALES: tl.constexpr = tl.constexpr(NUM_SCALES)
+GROUP: tl.constexpr = tl.constexpr(SCALE_GROUP)
+LN_2: tl.constexpr = tl.constexpr(1 / LOG2_E)
 
 
 @triton.jit
@@ -38,6 +45,30 @@ def _bf16(x, INTERPRETED: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _latent_group(latent_ptr, scales_ptr, slots, valid, latent_stride, GROUP_INDEX: tl.constexpr,
+                  IS_FP8: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
+    """Latent columns [128 g, 128 (g + 1)) of the tokens in `slots`, bf16 (zero where not
+    valid): one FP8 scale group."""
+    at = latent_ptr + slots[:, None] * latent_stride + GROUP_INDEX * GROUP
+    at += tl.arange(0, GROUP)[None, :]
+    if IS_FP8:
+        raw = tl.load(at, mask=valid[:, None], other=0)
+        scale_at = scales_ptr + slots * (latent_stride // 4) + LATENT // 4 + GROUP_INDEX
+        scale = tl.load(scale_at, mask=valid, other=0.0)
+        values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+        return _bf16(values, INTERPRETED)
+    return _bf16(tl.load(at, mask=valid[:, None], other=0.0), INTERPRETED)
+
+
+@triton.jit
+def _store_group(at, values, head_ok, SPLIT: tl.constexpr, INTERPRETED: tl.constexpr):
+    if SPLIT:
+        tl.store(at, values, mask=head_ok[:, None])
+    else:
+        tl.store(at, _bf16(values, INTERPRETED), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -58,52 +89,58 @@ def _attend_kernel(
     rope_stride,
     rope_offset,
     TOKENS_PER_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
+    # The 512 latent columns go as four groups of 128 (the FP8 scale groups), each with its own
+    # accumulator: a [BLOCK_H, 512] float32 accumulator and a dequantized [BLOCK_N, 512] tile
+    # in one piece spilled registers (ptxas for sm_90a), four pieces hardly do.
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     head_ok = heads < h_q
-    latent_cols = tl.arange(0, LATENT_DIM)
-    rope_cols = tl.arange(0, ROPE_DIM)
+    group_cols = tl.arange(0, GROUP)
+    rope_cols = tl.arange(0, ROPE)
 
-    q_rows = q_ptr + (row * h_q + heads)[:, None] * (LATENT_DIM + ROPE_DIM)
-    q_latent = tl.load(q_rows + latent_cols[None, :], mask=head_ok[:, None], other=0.0)
-    q_rope = tl.load(q_rows + LATENT_DIM + rope_cols[None, :], mask=head_ok[:, None], other=0.0)
-    q_latent = _bf16(q_latent, INTERPRETED)
+    q_at = q_ptr + (row * h_q + heads)[:, None] * (LATENT + ROPE) + group_cols[None, :]
+    q0 = _bf16(tl.load(q_at, mask=head_ok[:, None], other=0.0), INTERPRETED)
+    q1 = _bf16(tl.load(q_at + GROUP, mask=head_ok[:, None], other=0.0), INTERPRETED)
+    q2 = _bf16(tl.load(q_at + 2 * GROUP, mask=head_ok[:, None], other=0.0), INTERPRETED)
+    q3 = _bf16(tl.load(q_at + 3 * GROUP, mask=head_ok[:, None], other=0.0), INTERPRETED)
+    q_rope_at = q_ptr + (row * h_q + heads)[:, None] * (LATENT + ROPE) + LATENT
+    q_rope = tl.load(q_rope_at + rope_cols[None, :], mask=head_ok[:, None], other=0.0)
     q_rope = _bf16(q_rope, INTERPRETED)
 
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denominator = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, LATENT_DIM], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, GROUP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, GROUP], tl.float32)
     for offset in range(0, TOKENS_PER_SPLIT, BLOCK_N):
         cols = split * TOKENS_PER_SPLIT + offset + tl.arange(0, BLOCK_N)
         slots = tl.load(indices_ptr + row * topk + cols, mask=cols < topk, other=-1)
         valid = (slots >= 0) & (slots < num_slots)
         slots = tl.where(valid, slots, 0).to(tl.int64)
-        latent_at = latent_ptr + slots[:, None] * latent_stride + latent_cols[None, :]
-        if IS_FP8:
-            raw = tl.load(latent_at, mask=valid[:, None], other=0)
-            scale = tl.load(
-                scales_ptr + slots[:, None] * (latent_stride // 4) + LATENT_DIM // 4
-                + latent_cols[None, :] // SCALE_GROUP,
-                mask=valid[:, None],
-                other=0.0,
-            )  # fmt: skip
-            kv = _bf16(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, INTERPRETED)
-        else:
-            kv = _bf16(tl.load(latent_at, mask=valid[:, None], other=0.0), INTERPRETED)
+        tile = (latent_ptr, scales_ptr, slots, valid, latent_stride)
+        kv0 = _latent_group(*tile, 0, IS_FP8, INTERPRETED)
+        kv1 = _latent_group(*tile, 1, IS_FP8, INTERPRETED)
+        kv2 = _latent_group(*tile, 2, IS_FP8, INTERPRETED)
+        kv3 = _latent_group(*tile, 3, IS_FP8, INTERPRETED)
         k_rope = tl.load(
             rope_ptr + slots[:, None] * rope_stride + rope_offset + rope_cols[None, :],
             mask=valid[:, None],
             other=0.0,
         )
-        k_rope = _bf16(k_rope, INTERPRETED)
-        scores = tl.dot(q_latent, tl.trans(kv)) + tl.dot(q_rope, tl.trans(k_rope))
+        scores = tl.dot(q_rope, tl.trans(_bf16(k_rope, INTERPRETED)))
+        scores = tl.dot(q0, tl.trans(kv0), scores)
+        scores = tl.dot(q1, tl.trans(kv1), scores)
+        scores = tl.dot(q2, tl.trans(kv2), scores)
+        scores = tl.dot(q3, tl.trans(kv3), scores)
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         # A row that has seen no valid slot yet keeps max -inf; subtracting 0 keeps exp2 at 0.
@@ -111,25 +148,28 @@ def _attend_kernel(
         probs = tl.exp2(scores - shift[:, None])
         rescale = tl.exp2(running_max - shift)
         denominator = denominator * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(_bf16(probs, INTERPRETED), kv)
+        probs = _bf16(probs, INTERPRETED)
+        acc0 = tl.dot(probs, kv0, acc0 * rescale[:, None])
+        acc1 = tl.dot(probs, kv1, acc1 * rescale[:, None])
+        acc2 = tl.dot(probs, kv2, acc2 * rescale[:, None])
+        acc3 = tl.dot(probs, kv3, acc3 * rescale[:, None])
         running_max = new_max
 
     seen = denominator > 0
-    out = acc / tl.where(seen, denominator, 1.0)[:, None]
-    max_logits = running_max / LOG2_E
-    lse = (running_max + tl.log2(tl.where(seen, denominator, 1.0))) / LOG2_E
+    inverse = 1.0 / tl.where(seen, denominator, 1.0)
+    max_logits = running_max * LN_2
+    lse = (running_max + tl.log2(tl.where(seen, denominator, 1.0))) * LN_2
     if SPLIT:
         lse = tl.where(seen, lse, float("-inf"))  # an empty split weighs nothing
         at = (row * num_splits + split) * h_q + heads
-        tl.store(out_ptr + at[:, None] * LATENT_DIM + latent_cols[None, :], out, head_ok[:, None])
     else:
         lse = tl.where(seen, lse, float("inf"))
         at = row * h_q + heads
-        tl.store(
-            out_ptr + at[:, None] * LATENT_DIM + latent_cols[None, :],
-            _bf16(out, INTERPRETED),
-            mask=head_ok[:, None],
-        )
+    out_at = out_ptr + at[:, None] * LATENT + group_cols[None, :]
+    _store_group(out_at, acc0 * inverse[:, None], head_ok, SPLIT, INTERPRETED)
+    _store_group(out_at + GROUP, acc1 * inverse[:, None], head_ok, SPLIT, INTERPRETED)
+    _store_group(out_at + 2 * GROUP, acc2 * inverse[:, None], head_ok, SPLIT, INTERPRETED)
+    _store_group(out_at + 3 * GROUP, acc3 * inverse[:, None], head_ok, SPLIT, INTERPRETED)
     tl.store(max_ptr + at, max_logits, mask=head_ok)
     tl.store(lse_ptr + at, lse, mask=head_ok)
 
@@ -150,7 +190,7 @@ def _combine_kernel(
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < h_q
-    cols = tl.arange(0, LATENT_DIM)
+    cols = tl.arange(0, LATENT)
 
     top = tl.full([BLOCK_H], float("-inf"), tl.float32)
     max_logits = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -166,18 +206,18 @@ def _combine_kernel(
         at = (row * NUM_SPLITS + split) * h_q + heads
         total += tl.exp(tl.load(partial_lse_ptr + at, mask=head_ok, other=float("-inf")) - shift)
     lse = tl.where(seen, shift + tl.log(tl.where(seen, total, 1.0)), float("inf"))
-    out = tl.zeros([BLOCK_H, LATENT_DIM], tl.float32)
+    out = tl.zeros([BLOCK_H, LATENT], tl.float32)
     for split in range(NUM_SPLITS):
         at = (row * NUM_SPLITS + split) * h_q + heads
         weight = tl.exp(tl.load(partial_lse_ptr + at, mask=head_ok, other=float("-inf")) - lse)
         part = tl.load(
-            partial_out_ptr + at[:, None] * LATENT_DIM + cols[None, :],
+            partial_out_ptr + at[:, None] * LATENT + cols[None, :],
             mask=head_ok[:, None],
             other=0.0,
         )
         out += weight[:, None] * part
     at = row * h_q + heads
-    tl.store(out_ptr + at[:, None] * LATENT_DIM + cols[None, :], _bf16(out, INTERPRETED),
+    tl.store(out_ptr + at[:, None] * LATENT + cols[None, :], _bf16(out, INTERPRETED),
              mask=head_ok[:, None])  # fmt: skip
     tl.store(max_ptr + at, max_logits, mask=head_ok)
     tl.store(lse_ptr + at, lse, mask=head_ok)
@@ -231,17 +271,18 @@ def sparse_attention(
     else:
         latent = scales = rope = tokens
         rope_offset = LATENT_DIM
-    out = q.new_empty(n, h_q, LATENT_DIM)
-    max_logits = q.new_empty(n, h_q, dtype=torch.float32)
-    lse = q.new_empty(n, h_q, dtype=torch.float32)
+    like = {"device": q.device, "dtype": torch.float32}
+    out = torch.empty(n, h_q, LATENT_DIM, device=q.device, dtype=q.dtype)
+    max_logits = torch.empty(n, h_q, **like)
+    lse = torch.empty(n, h_q, **like)
     if n == 0:
         return out, max_logits, lse
     heads = block_h(h_q)
     grid = (n, math.ceil(h_q / heads), num_splits)
     if num_splits > 1:
-        partial_out = q.new_empty(n, num_splits, h_q, LATENT_DIM, dtype=torch.float32)
-        partial_max = q.new_empty(n, num_splits, h_q, dtype=torch.float32)
-        partial_lse = q.new_empty(n, num_splits, h_q, dtype=torch.float32)
+        partial_out = torch.empty(n, num_splits, h_q, LATENT_DIM, **like)
+        partial_max = torch.empty(n, num_splits, h_q, **like)
+        partial_lse = torch.empty(n, num_splits, h_q, **like)
         targets = (partial_out, partial_max, partial_lse)
     else:
         targets = (out, max_logits, lse)
@@ -249,19 +290,19 @@ def sparse_attention(
         q, latent, scales, rope, indices, *targets,
         h_q, topk, num_slots, softmax_scale * LOG2_E,
         latent.shape[1], rope.shape[1], rope_offset,
-        TOKENS_PER_SPLIT=tokens_per_split, IS_FP8=is_fp8_kvcache, SPLIT=num_splits > 1,
-        BLOCK_H=heads, INTERPRETED=interpret,
-        num_warps=8 if heads == 64 else 4, num_stages=2,
+        TOKENS_PER_SPLIT=tokens_per_split, BLOCK_N=BLOCK_N, IS_FP8=is_fp8_kvcache,
+        SPLIT=num_splits > 1, BLOCK_H=heads, INTERPRETED=interpret,
+        num_warps=8, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
-        _combine_kernel[grid[:2]](
+        _combine_kernel[(n, math.ceil(h_q / COMBINE_BLOCK_H))](
             *targets,
             out,
             max_logits,
             lse,
             h_q,
             NUM_SPLITS=num_splits,
-            BLOCK_H=heads,
+            BLOCK_H=COMBINE_BLOCK_H,
             INTERPRETED=interpret,
             num_warps=4,
         )

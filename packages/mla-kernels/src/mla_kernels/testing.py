@@ -70,6 +70,14 @@ def decode_case(
     return DecodeCase(q, k_cache, block_table, cache_seqlens, is_fp8_kvcache)
 
 
+def poison_cuda_allocator(shapes, dtypes) -> None:
+    """Leave NaN-filled blocks of these shapes and dtypes in torch's CUDA caching allocator:
+    the next allocations of those sizes get memory full of NaN, so unwritten elements show."""
+    for shape in shapes:
+        for dtype in dtypes:
+            torch.full(shape, float("nan"), device="cuda", dtype=dtype)
+
+
 def long_tail_seqlens(batch: int, generator: torch.Generator | None = None) -> list[int]:
     """Lengths as a real decode batch has them: half the sequences at 512-2K tokens, 7/16
     log-uniform over 2K-32K, 1/16 (at least one) at 32K-64K, in a random order."""
