@@ -23,6 +23,7 @@ sources=$(printf "$root/packages/%s/src:" mla-kernels ep-comm overlap-sched ref-
 # What each stage checks, and why it is pending.
 declare -A PENDING=(
   [mla-tests]="mla-kernels GPU tests (test_cuda.py): the kernel on every page size, dtype, FP8 cache, both narrow FP8 kernels"
+  [mla-sparse]="the sparse MLA Triton kernels' first GPU run: test_sparse_cuda.py (DeepSeek-V3.2 shapes, prefill, graphs, offsets past 2 GB), then bench_sparse.py (decode and prefill against the torch reference; --peer once FlashMLA's sparse kernels are built into the peer)"
   [mla-peer]="bench_decode.py --peer: every table of the 0.2 goals (uniform, mixed lengths, s_q 2-4, page sizes, FP8) under both timings, FlashMLA built beside"
   [ep-tests]="ep-comm's GPU tests (CUDA IPC rings, NVSHMEM low-latency kernels): the FP8 cast and the low-latency contract moved modules (ep_comm.fp8, ep_comm.low_latency_backend)"
   [ref-kernels]="ref-server's GPU tests of its kernels, expert_swiglu's fused epilogue (REF_SERVER_FUSED_SWIGLU) among them, then bench_expert_gemm.py's SwiGLU table"
@@ -61,7 +62,13 @@ ref-model-ab() {
 }
 
 mla-tests() {
-  python3 -m pytest -q -m gpu packages/mla-kernels/tests
+  python3 -m pytest -q -m gpu packages/mla-kernels/tests \
+    --ignore=packages/mla-kernels/tests/test_sparse_cuda.py
+}
+
+mla-sparse() {
+  python3 -m pytest -q -m gpu packages/mla-kernels/tests/test_sparse_cuda.py || return 1
+  python3 packages/mla-kernels/benchmarks/bench_sparse.py --json "$logs/mla-sparse.json"
 }
 
 # bench_decode.py --peer, its JSON named $1, with the arguments that follow.
