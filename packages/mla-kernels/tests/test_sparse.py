@@ -1,5 +1,6 @@
 """Sparse MLA (decode and prefill) through the public calls, on the torch reference."""
 
+import importlib.util
 import math
 
 import pytest
@@ -210,17 +211,29 @@ def test_compiles_without_graph_breaks(generator):
         torch.testing.assert_close(got, expected)
 
 
-def test_sparse_backend_choice(monkeypatch):
+@pytest.mark.parametrize("installed", [True, False])
+def test_sparse_backend_choice(monkeypatch, installed):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: (object() if installed else None) if name == "triton" else find_spec(name),
+    )
     assert mla_kernels.sparse_backend("cpu") == "reference"
+    assert mla_kernels.sparse_backend("meta") == "reference"
+    assert mla_kernels.sparse_backend("cuda") == "reference"  # the default, for now
     monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "auto")
     assert mla_kernels.sparse_backend("cpu") == "reference"
+    assert mla_kernels.sparse_backend("cuda") == ("triton" if installed else "reference")
     monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "triton")
-    assert mla_kernels.sparse_backend("cpu") == "triton"
+    if installed:
+        assert mla_kernels.sparse_backend("cpu") == "triton"
+    else:
+        with pytest.raises(RuntimeError, match="Triton is not installed"):
+            mla_kernels.sparse_backend("cpu")
     monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "fast")
     with pytest.raises(ValueError, match="MLA_KERNELS_SPARSE_BACKEND='fast'"):
         mla_kernels.sparse_backend("cpu")
-    monkeypatch.delenv("MLA_KERNELS_SPARSE_BACKEND")
-    assert mla_kernels.sparse_backend("cpu") == "reference"
 
 
 @pytest.fixture
