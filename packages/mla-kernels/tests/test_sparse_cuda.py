@@ -32,9 +32,9 @@ def decode_and_reference(case):
     paged = case.paged
     b, s_q, h_q, _ = paged.q.shape
     rows = b * s_q
+    partials = [(rows, splits, h_q, *tail) for splits in range(2, 9) for tail in ((512,), ())]
     poison_cuda_allocator(
-        [(rows, h_q, 512), (rows, h_q), *((rows, splits, h_q, 512) for splits in range(2, 9))],
-        (torch.float32, torch.bfloat16),
+        [(rows, h_q, 512), (rows, h_q), *partials], (torch.float32, torch.bfloat16)
     )
     out, lse = decode(paged.q, paged.k_cache, case.indices, paged.is_fp8_kvcache)
     width = paged.k_cache.shape[-1]
