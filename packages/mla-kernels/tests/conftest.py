@@ -1,12 +1,7 @@
 import math
-import os
 
 import pytest
 import torch
-
-# Triton reads this when it is imported: without a GPU its kernels run in its interpreter.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mla_kernels.fp8_layout import dequantize_fp8
 from mla_kernels.testing import NAN_BYTE, DecodeCase, decode_case
