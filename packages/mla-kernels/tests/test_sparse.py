@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import mla_kernels
+from mla_kernels import reference
 from mla_kernels.fp8_layout import quantize_fp8
 from mla_kernels.testing import (
     DecodeCase,
@@ -109,6 +110,19 @@ def test_sparse_prefill_matches_float64_math(s_q, s_kv, h_q, topk, generator, sp
     assert max_logits.dtype == torch.float32
     assert_matches(out, lse, expected_out, expected_lse)
     assert (max_logits.double() - expected_max).abs().max() < 1e-4
+
+
+def test_the_reference_in_chunks_of_rows_gives_the_same_result(monkeypatch, generator):
+    q, kv, indices = prefill_case(7, 300, 4, 64, generator)
+    args = (q, kv.view(300, 576), indices.view(7, 64), 0.1, False)
+    whole = reference.sparse_attention(*args)
+    monkeypatch.setattr(reference, "SPARSE_CHUNK_FLOATS", 3 * 64 * 576)  # 3 rows a chunk
+    for chunked, expected in zip(reference.sparse_attention(*args), whole, strict=True):
+        assert torch.equal(chunked, expected)
+    empty = reference.sparse_attention(
+        q[:0], kv.view(300, 576), indices.view(7, 64)[:0], 0.1, False
+    )
+    assert [tuple(t.shape) for t in empty] == [(0, 4, 512), (0, 4), (0, 4)]
 
 
 def test_a_hand_computed_case():

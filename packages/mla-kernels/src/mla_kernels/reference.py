@@ -77,6 +77,9 @@ def mla_decode(
     return out.to(q.dtype), lse
 
 
+SPARSE_CHUNK_FLOATS = 1 << 26  # the gathered tokens of one chunk of rows: 256 MiB in float32
+
+
 def sparse_attention(
     q: torch.Tensor,
     tokens: torch.Tensor,
@@ -89,10 +92,23 @@ def sparse_attention(
     q `[n, h_q, 576]`; tokens `[num_slots, 576]` in q's dtype, or `[num_slots, 656]` in the FP8
     layout (read as value * scale rounded to q's dtype); indices int `[n, topk]`, slots into
     tokens, any entry outside `[0, num_slots)` not attended. The math runs in float32, or in
-    float64 for a float64 q. Returns out `[n, h_q, 512]` (q's dtype), and float32 (float64)
-    max_logits `[n, h_q]` (the largest scaled score) and lse `[n, h_q]` (natural log); a row
-    that attends no token gets out = 0, max_logits = -inf and lse = +inf.
+    float64 for a float64 q, over chunks of rows whose gathered tokens hold about
+    `SPARSE_CHUNK_FLOATS` values (a prefill's rows would take n · topk · 576 at once). Returns
+    out `[n, h_q, 512]` (q's dtype), and float32 (float64) max_logits `[n, h_q]` (the largest
+    scaled score) and lse `[n, h_q]` (natural log); a row that attends no token gets out = 0,
+    max_logits = -inf and lse = +inf.
     """
+    rows = max(1, SPARSE_CHUNK_FLOATS // (max(1, indices.shape[1]) * HEAD_DIM))
+    parts = [
+        _sparse_rows(q[i : i + rows], tokens, indices[i : i + rows], softmax_scale, is_fp8_kvcache)
+        for i in range(0, max(1, q.shape[0]), rows)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+
+
+def _sparse_rows(q, tokens, indices, softmax_scale, is_fp8_kvcache):
     num_slots = tokens.shape[0]
     compute = torch.promote_types(q.dtype, torch.float32)
     valid = (indices >= 0) & (indices < num_slots)  # [n, topk]
