@@ -99,10 +99,11 @@ def test_more_splits_than_tiles_and_uneven_splits(generator):
                      expected)  # fmt: skip
 
 
-def test_default_splits_fill_the_sms():
-    assert sparse_triton.default_num_splits(64, 64, 2048, 132) == 3
-    assert sparse_triton.default_num_splits(64, 128, 2048, 132) == 2
-    assert sparse_triton.default_num_splits(128, 128, 2048, 132) == 1
+def test_default_splits_fill_one_wave():
+    assert sparse_triton.default_num_splits(64, 64, 2048, 132) == 2  # 128 programs
+    assert sparse_triton.default_num_splits(32, 64, 2048, 132) == 4
+    assert sparse_triton.default_num_splits(64, 128, 2048, 132) == 1
+    assert sparse_triton.default_num_splits(200, 128, 2048, 132) == 1
     assert sparse_triton.default_num_splits(1, 16, 128, 132) == 4  # at most one split per tile
 
 

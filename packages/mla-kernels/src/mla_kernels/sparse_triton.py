@@ -234,9 +234,13 @@ def block_h(h_q: int) -> int:
 
 
 def default_num_splits(rows: int, h_q: int, topk: int, num_sms: int) -> int:
-    """Splits of each row's indices so that the programs cover every SM at least once."""
+    """Splits of each row's indices: the largest power of two that keeps the programs within
+    one wave (a program takes a whole SM's registers at 64 heads), at most one per tile. A
+    power of two, since each split count is a kernel of its own (its tokens per split are a
+    constexpr)."""
     programs = rows * math.ceil(h_q / block_h(h_q))
-    return max(1, min(math.ceil(num_sms / programs), math.ceil(topk / BLOCK_N)))
+    fits = max(1, num_sms // programs)
+    return min(1 << (fits.bit_length() - 1), math.ceil(topk / BLOCK_N))
 
 
 def sparse_attention(
