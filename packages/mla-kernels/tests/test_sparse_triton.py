@@ -181,3 +181,18 @@ def test_the_kernels_compile_for_sm90a_within_shared_memory_and_few_spills(
     spills = int(re.search(r"(\d+) bytes spill stores", ptxas_report(kernel)).group(1))
     # ptxas, 2026-12: 360 bytes at 64 heads on the FP8 cache, none at 16.
     assert spills <= 512
+
+
+@compiling
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's ptxas is a Linux program")
+def test_the_combine_kernel_compiles_for_sm90a_without_spills():
+    from triton.backends.compiler import GPUTarget
+
+    names = sparse_triton._combine_kernel.arg_names
+    types = ["*fp32", "*fp32", "*fp32", "*bf16", "*fp32", "*fp32", "i32"]
+    constants = {"NUM_SPLITS": 4, "BLOCK_H": sparse_triton.COMBINE_BLOCK_H, "INTERPRETED": False}
+    signature = dict(zip(names[: len(types)], types, strict=True))
+    signature |= dict.fromkeys(constants, "constexpr")
+    source = triton.compiler.ASTSource(sparse_triton._combine_kernel, signature, constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "0 bytes spill stores" in ptxas_report(kernel)
