@@ -125,6 +125,23 @@ def test_the_reference_in_chunks_of_rows_gives_the_same_result(monkeypatch, gene
     assert [tuple(t.shape) for t in empty] == [(0, 4, 512), (0, 4), (0, 4)]
 
 
+@pytest.mark.parametrize("is_fp8_kvcache", [False, True])
+def test_the_reference_in_float64_matches_the_oracle_to_rounding(
+    is_fp8_kvcache, generator, sparse_oracle
+):
+    case = sparse_decode_case(
+        [200, 90], 2, 8, 64, is_fp8_kvcache=is_fp8_kvcache, generator=generator
+    )
+    q, cache = case.paged.q.double().view(4, 8, 576), case.paged.k_cache
+    tokens = cache.view(-1, cache.shape[-1]) if is_fp8_kvcache else cache.double().view(-1, 576)
+    args = (q, tokens, case.indices.view(4, 64), 0.05, is_fp8_kvcache)
+    for got, expected in zip(reference.sparse_attention(*args), sparse_oracle(*args), strict=True):
+        assert got.dtype == torch.float64
+        finite = expected.isfinite()
+        assert torch.equal(got.isfinite(), finite)
+        assert (got[finite] - expected[finite]).abs().max() < 1e-12
+
+
 def test_a_hand_computed_case():
     """One query attends slots 17 and 5 (scores 2 and 4 before the scale 0.5, V column 1
     holding 1 and 3) past a -1 and an entry beyond the cache; every other slot is NaN."""
