@@ -68,7 +68,9 @@ mla-tests() {
 
 mla-sparse() {
   python3 -m pytest -q -m gpu packages/mla-kernels/tests/test_sparse_cuda.py || return 1
-  python3 packages/mla-kernels/benchmarks/bench_sparse.py --json "$logs/mla-sparse.json"
+  # --peer once FlashMLA's sparse kernels are built beside ours (../shared/peers/flashmla)
+  python3 packages/mla-kernels/benchmarks/bench_sparse.py ${FLASHMLA_SPARSE_PEER:+--peer} \
+    --json "$logs/mla-sparse.json"
 }
 
 # bench_decode.py --peer, its JSON named $1, with the arguments that follow.
