@@ -225,6 +225,13 @@ class ModelArgs:
         if model_type == "deepseek_v32":
             values.setdefault("index_topk", 2048)  # transformers' DeepseekV32Config default
             values["rope_interleave"] = True  # its MLA rope is interleaved, with no such field
+            layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 3)
+            kinds = config.get("mlp_layer_types")
+            if kinds and kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+                raise ValueError(
+                    f"mlp_layer_types {kinds}: only the first first_k_dense_replace ({dense}) "
+                    "layers may be dense, and the rest must be MoE"
+                )
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]
