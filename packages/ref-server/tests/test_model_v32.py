@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ref_server.model as M
-from ref_server.model import StepBatch, attention
+from ref_server.model import StepBatch, attention, indexer
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
 from ref_server.model.indexer import hadamard, index_scores
@@ -101,9 +101,12 @@ def test_chosen_tokens_match_transformers_in_prefill_and_decode(checkpoints, tmp
     assert len(tokens) > 2 * ours.args.index_topk  # most queries choose
 
 
-def test_a_top_k_of_every_token_is_dense_attention():
+def test_a_top_k_of_every_token_is_dense_attention(monkeypatch):
     """V3.2's tiny preset with a top-k past every sequence's length against the tiny preset:
-    the same weights (drawn by name from the seed), the indexer's aside."""
+    the same weights (drawn by name from the seed), the indexer's aside. The torch paths take
+    7 queries at a time, so the prefill's 33 span several such parts."""
+    monkeypatch.setattr(indexer, "QUERY_ROWS_AT_ONCE", 7)
+    monkeypatch.setattr(attention, "QUERY_ROWS_AT_ONCE", 7)
     sparse = M.from_args(dataclasses.replace(M.PRESETS["v3.2-tiny"], index_topk=64), seed=5)
     dense = M.from_preset("tiny", seed=5)
     ids = torch.randint(2, 500, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -144,20 +147,20 @@ def test_fp8_index_keys_score_within_e4m3_rounding_of_exact_ones():
     a value x of scale s (amax / 448) by at most 2^-4 |x| + 2^-10 s (3 mantissa bits; half the
     subnormals' step), after the Hadamard transform, which leaves exact scores as they are."""
     model = M.from_preset("v3.2-tiny", seed=7)
-    indexer = model.layers[0].self_attn.indexer
+    layer_indexer = model.layers[0].self_attn.indexer
     g = torch.Generator().manual_seed(7)
     n = 40
     x, q_latent = torch.randn(n, 64, generator=g), torch.randn(n, 48, generator=g)
     rotation = model.rope(torch.arange(n), torch.float32)
     with torch.no_grad():
-        q, weights = indexer.queries(x, q_latent, rotation)
-        keys = indexer.keys(x, rotation)
+        q, weights = layer_indexer.queries(x, q_latent, rotation)
+        keys = layer_indexer.keys(x, rotation)
         exact = index_scores(q, weights, keys)
         assert torch.allclose(index_scores(hadamard(q), weights, hadamard(keys)), exact, atol=1e-5)
         got = {}
         for dtype in (torch.float32, torch.float8_e4m3fn):
             index_keys = M.PagedKVCache(model.args, 3, 16, index_dtype=dtype).index_keys[0]
-            q_cached, w_cached = indexer.cache_step(
+            q_cached, w_cached = layer_indexer.cache_step(
                 x, q_latent, rotation, index_keys, torch.arange(n)
             )
             got[dtype] = index_scores(q_cached, w_cached, index_keys.rows(torch.arange(n)))
@@ -226,7 +229,7 @@ def test_fp8_checkpoint_keeps_the_indexer_projections_in_fp8(checkpoints, tmp_pa
     model = M.from_pretrained(tmp_path / "fp8", dtype=torch.float32)
     assert torch.equal(model.layers[2].self_attn.indexer.wq_b.weight, dequantized[name])
     model = M.from_pretrained(tmp_path / "fp8", weight_dtype="fp8", dtype=torch.float32)
-    indexer = model.layers[2].self_attn.indexer
-    assert isinstance(indexer.wq_b, FP8Linear) and isinstance(indexer.wk, FP8Linear)
-    assert type(indexer.weights_proj) is torch.nn.Linear
-    torch.testing.assert_close(indexer.wq_b.dequantized(torch.float32), dequantized[name])
+    layer_indexer = model.layers[2].self_attn.indexer
+    assert isinstance(layer_indexer.wq_b, FP8Linear) and isinstance(layer_indexer.wk, FP8Linear)
+    assert type(layer_indexer.weights_proj) is torch.nn.Linear
+    torch.testing.assert_close(layer_indexer.wq_b.dequantized(torch.float32), dequantized[name])

@@ -31,7 +31,7 @@ from ref_server.kernels.latent import cache_latent
 from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
-from ref_server.model.indexer import Indexer, indexer_topk
+from ref_server.model.indexer import QUERY_ROWS_AT_ONCE, Indexer, indexer_topk
 from ref_server.model.layers import FusedLinear, RMSNorm, rotate
 
 
@@ -348,11 +348,14 @@ def sparse_attention(q, cache, slots, head_dim_v: int, softmax_scale: float) -> 
     slots `[n, topk]` (block * page + offset; -1: none), each query over its own:
     `[n, heads, head_dim_v]` in q's dtype, values the rows' first head_dim_v columns. Plain
     torch, where mla_kernels' sparse MLA plugs in. Every query needs one valid slot."""
-    rows = cache.flatten(0, 2)[slots.clamp(min=0)].float()  # [n, topk, 576]
-    logits = torch.einsum("nhd,nkd->nhk", q.float(), rows) * softmax_scale
-    logits = logits.masked_fill(slots.unsqueeze(1) < 0, -math.inf)
-    out = torch.einsum("nhk,nkd->nhd", logits.softmax(-1), rows[..., :head_dim_v])
-    return out.to(q.dtype)
+    out = []
+    for first in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
+        part = slice(first, first + QUERY_ROWS_AT_ONCE)
+        rows = cache.flatten(0, 2)[slots[part].clamp(min=0)].float()  # [rows, topk, 576]
+        logits = torch.einsum("nhd,nkd->nhk", q[part].float(), rows) * softmax_scale
+        logits = logits.masked_fill(slots[part].unsqueeze(1) < 0, -math.inf)
+        out.append(torch.einsum("nhk,nkd->nhd", logits.softmax(-1), rows[..., :head_dim_v]))
+    return torch.cat(out).to(q.dtype)
 
 
 @dataclass

@@ -35,7 +35,9 @@ from ref_server.kernels.fp8_cast import quantize_activations
 from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 
-QUERY_ROWS_AT_ONCE = 256  # `indexer_topk` gathers [rows, context, index_head_dim] keys at once
+# The plain-torch paths gather per query: keys `[rows, context, index_head_dim]` here, latent
+# rows `[rows, topk, 576]` in `attention.sparse_attention`, so many queries at a time.
+QUERY_ROWS_AT_ONCE = 256
 
 
 class Indexer(nn.Module):
@@ -110,8 +112,8 @@ def indexer_topk(q, weights, index_keys, block_table, positions, topk: int) -> t
     length = block_table.shape[1] * page
     candidates = torch.arange(length, device=q.device)
     chosen = []
-    for rows in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
-        part = slice(rows, rows + QUERY_ROWS_AT_ONCE)
+    for first in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
+        part = slice(first, first + QUERY_ROWS_AT_ONCE)
         slots = block_table[part, candidates // page].long() * page + candidates % page
         keys = index_keys.rows(slots)  # [rows, length, width]
         scores = index_scores(q[part, None], weights[part, None], keys).squeeze(-2)
