@@ -1,5 +1,5 @@
-"""Tiny DeepSeek-V3 checkpoints written by `transformers` (the independent reference), for
-tests through the `checkpoints` fixture; deployment helpers shared by the CPU and GPU serving
+"""Tiny DeepSeek-V3 and V3.2 checkpoints written by `transformers` (the independent reference),
+for tests through the `checkpoints` fixture; deployment helpers shared by the CPU and GPU serving
 tests through `serving`.
 
 REF_SERVER_TEST_OVERLAP_STEPS=on runs the tests with overlapped engine steps wherever an engine
@@ -37,9 +37,10 @@ YARN = dict(
 )
 
 
-def hf_config(**overrides):
-    """kv_lora_rank 512 and rope 64, so decode runs through mla_kernels; small elsewhere."""
-    from transformers import DeepseekV3Config
+def hf_config(v32: bool = False, **overrides):
+    """kv_lora_rank 512 and rope 64, so decode runs through mla_kernels; small elsewhere. v32: a
+    DeepSeek-V3.2 config, whose indexer picks 8 tokens with 8 heads of 128 (64 of them rope)."""
+    from transformers import DeepseekV3Config, DeepseekV32Config
 
     values = dict(
         vocab_size=300,
@@ -65,20 +66,26 @@ def hf_config(**overrides):
         bos_token_id=0,
         eos_token_id=1,
     )
+    if v32:
+        values |= dict(index_topk=8, index_n_heads=8, index_head_dim=128)
     values.update(overrides)
-    return DeepseekV3Config(**values)
+    return (DeepseekV32Config if v32 else DeepseekV3Config)(**values)
 
 
-def write_checkpoint(path: Path, seed: int = 0, **overrides):
-    """A random transformers model saved to `path`; returns it (eval mode)."""
-    from transformers import DeepseekV3ForCausalLM
+def write_checkpoint(path: Path, seed: int = 0, v32: bool = False, **overrides):
+    """A random transformers model (v32: DeepSeek-V3.2) saved to `path`; returns it (eval
+    mode)."""
+    from transformers import DeepseekV3ForCausalLM, DeepseekV32ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(hf_config(**overrides)).eval()
+    kind = DeepseekV32ForCausalLM if v32 else DeepseekV3ForCausalLM
+    model = kind(hf_config(v32, **overrides)).eval()
     with torch.no_grad():  # norms, routing bias and head away from their defaults
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.normal_(1.0, 0.1)
+            elif name.endswith("norm.bias"):
+                parameter.normal_(0.0, 0.1)
             elif name == "lm_head.weight":
                 parameter.normal_(0.0, 0.2)
         for name, buffer in model.named_buffers():
@@ -100,6 +107,11 @@ def quantize_blocks(weight: torch.Tensor, block: int = 128):
     return values.view(padded.shape)[:rows, :cols].contiguous(), scale
 
 
+# What DeepSeek's checkpoints store in FP8: the projections, V3.2's indexer's wq_b and wk included,
+# but not its weights_proj.
+FP8_WEIGHTS = ("_proj.weight", "mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight")
+
+
 def to_fp8_sharded(source: Path, target: Path, shards: int = 2) -> dict[str, torch.Tensor]:
     """Rewrite a checkpoint with FP8 projection weights in `shards` files plus an index;
     returns the dequantized weights the FP8 checkpoint stands for."""
@@ -108,7 +120,7 @@ def to_fp8_sharded(source: Path, target: Path, shards: int = 2) -> dict[str, tor
     (target / "config.json").write_text((source / "config.json").read_text())
     out, dequantized = {}, {}
     for name, tensor in tensors.items():
-        if name.endswith("_proj.weight") or name.endswith("mqa.weight"):
+        if name.endswith(FP8_WEIGHTS) and not name.endswith("weights_proj.weight"):
             values, scale = quantize_blocks(tensor)
             out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = values, scale
             expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
@@ -129,8 +141,9 @@ def to_fp8_sharded(source: Path, target: Path, shards: int = 2) -> dict[str, tor
 
 @pytest.fixture
 def checkpoints() -> SimpleNamespace:
-    """write(path, seed, **config overrides) and to_fp8_sharded(source, target)."""
-    return SimpleNamespace(write=write_checkpoint, to_fp8_sharded=to_fp8_sharded)
+    """write(path, seed, v32, **config overrides), config(v32, **overrides) (transformers'
+    config alone) and to_fp8_sharded(source, target)."""
+    return SimpleNamespace(write=write_checkpoint, config=hf_config, to_fp8_sharded=to_fp8_sharded)
 
 
 def near_greedy(reference, prompt: list[int], completion: list[int]) -> bool:

@@ -1,4 +1,5 @@
-"""The model against transformers' DeepseekV3ForCausalLM on the same checkpoints (CPU)."""
+"""The model against transformers' DeepseekV3ForCausalLM (and DeepseekV32ForCausalLM) on the
+same checkpoints (CPU)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ CONFIGS = {
         routed_scaling_factor=1.0,
     ),
     "all MoE, half-split rope": dict(first_k_dense_replace=0, rope_interleave=False),
+    "V3.2, top 8": dict(v32=True),
+    "V3.2, top 5, plain rope, all MoE": dict(
+        v32=True,
+        index_topk=5,
+        first_k_dense_replace=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
 
 
@@ -48,9 +56,12 @@ def test_prefill_and_decode_match_transformers(name, checkpoints, tmp_path):
         want = hf(ids).logits
     torch.testing.assert_close(ours(ids), want, rtol=1e-4, atol=1e-5)
 
-    # paged prefill then absorbed decode through mla_kernels (bf16 cache), step by step
+    # paged prefill then absorbed decode through mla_kernels (bf16 cache), step by step; V3.2's
+    # index keys unquantized, as transformers keeps them
     prompts = [ids[0, :9].tolist(), ids[1, :4].tolist()]
-    out, logits = ours.generate(prompts, SamplingParams(max_tokens=6), return_logits=True)
+    out, logits = ours.generate(
+        prompts, SamplingParams(max_tokens=6), return_logits=True, index_dtype=torch.float32
+    )
     for prompt, tokens, got in zip(prompts, out, logits, strict=True):
         ref = reference_logits(hf, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
         assert (got - ref).abs().max() < 0.02 * ref.abs().max()

@@ -36,6 +36,12 @@ def test_a_step_is_cut_into_graph_pieces_around_each_attention_core_and_the_head
     assert second[0] == "L0.comm_prepare_mlp" and second[-1] == "L1.attn.prepare"
 
 
+def test_prefill_graphs_refuse_sparse_attention():
+    model = M.from_preset("v3.2-tiny", seed=0)
+    with pytest.raises(ValueError, match=r"do not take DeepSeek-V3\.2's sparse attention yet"):
+        M.PrefillGraphs(model, M.PagedKVCache(model.args, 4, 16))
+
+
 def test_prefill_graphs_refuse_a_cache_off_the_gpu():
     model = M.from_preset("tiny", seed=0)
     with pytest.raises(ValueError, match="CUDA graphs need the cache on a CUDA device, not cpu"):

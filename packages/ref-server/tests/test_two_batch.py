@@ -19,9 +19,10 @@ from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model import PagedKVCache, SamplingParams, StepBatch
 
 
-@pytest.fixture(scope="module")
-def model():
-    return M.from_preset("tiny", seed=3)
+@pytest.fixture(scope="module", params=["tiny", "v3.2-tiny"])
+def model(request):
+    """V3's tiny model, and V3.2's, whose index keys a cut sequence's second part reads too."""
+    return M.from_preset(request.param, seed=3)
 
 
 def contiguous_table(lengths: list[int], page: int = 64) -> torch.Tensor:
@@ -49,11 +50,13 @@ def step_logits(model, steps, split_of=None, in_turn=False):
     return out
 
 
-def assert_same(two: torch.Tensor, in_turn: torch.Tensor, one: torch.Tensor) -> None:
+def assert_same(model, two: torch.Tensor, in_turn: torch.Tensor, one: torch.Tensor) -> None:
     """Two microbatches against one: float32 GEMMs over fewer rows round differently (MKL picks
-    its kernels by shape and thread count; 1.9e-4 measured on a 2-core machine, 2026-12-03)."""
+    its kernels by shape and thread count; 1.9e-4 measured on a 2-core machine, 2026-12-03).
+    V3.2's prefill rounds its absorbed queries to the cache's bf16, as its kernels take them,
+    which can turn such a difference into a bf16 step (5.3e-4 measured, 2026-12-05)."""
     assert torch.equal(two, in_turn)
-    torch.testing.assert_close(two, one, rtol=0, atol=5e-4)
+    torch.testing.assert_close(two, one, rtol=0, atol=1e-3 if model.args.is_sparse else 5e-4)
     assert torch.equal(two.argmax(-1), one.argmax(-1))
 
 
@@ -169,7 +172,7 @@ def test_two_prefill_microbatches_give_the_logits_of_one(model, lengths, cached,
     split_of = lambda b: cut(b, *where) if b is batch else None  # noqa: E731
     one = step_logits(model, steps)
     two = step_logits(model, steps, split_of)
-    assert_same(two[-1], step_logits(model, steps, split_of, in_turn=True)[-1], one[-1])
+    assert_same(model, two[-1], step_logits(model, steps, split_of, in_turn=True)[-1], one[-1])
 
 
 def test_two_decode_microbatches_give_the_logits_of_one(model):
@@ -187,7 +190,9 @@ def test_two_decode_microbatches_give_the_logits_of_one(model):
     split_of = lambda b: split if b is decode else None  # noqa: E731
     one = step_logits(model, [first, decode])
     two = step_logits(model, [first, decode], split_of)
-    assert_same(two[1], step_logits(model, [first, decode], split_of, in_turn=True)[1], one[1])
+    assert_same(
+        model, two[1], step_logits(model, [first, decode], split_of, in_turn=True)[1], one[1]
+    )
 
 
 def test_the_engine_generates_the_same_tokens_with_two_batches(model, monkeypatch):

@@ -121,7 +121,8 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         self.prefill_graphs = None
         tokens = min(prefill_graph_tokens, config.max_num_batched_tokens)
-        if self.device.type == "cuda" and not self.expert_parallel and tokens > 0:
+        eligible = not self.expert_parallel and not model.args.is_sparse  # see PrefillGraphs
+        if self.device.type == "cuda" and eligible and tokens > 0:
             self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
 

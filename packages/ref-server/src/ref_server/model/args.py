@@ -1,7 +1,8 @@
 """`ModelArgs`: every hyper-parameter of a DeepSeek-V3-architecture model, with presets.
 
-Field names follow the Hugging Face `config.json` of DeepSeek-V3, so a checkpoint's config maps
-onto them directly (`ModelArgs.from_hf_config`).
+Field names follow the Hugging Face `config.json` of DeepSeek-V3 and V3.2, so a checkpoint's
+config maps onto them directly (`ModelArgs.from_hf_config`). A model with `index_topk` is a
+V3.2: its attention is sparse, each query attending to the tokens its lightning indexer picks.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
+    # DeepSeek-V3.2's sparse attention (DSA): the lightning indexer's heads and their width, and
+    # how many cached tokens each query attends to; None: dense attention (V3, V2-Lite).
+    index_topk: int | None = None
+    index_n_heads: int = 64
+    index_head_dim: int = 128
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,8 +75,40 @@ class ModelArgs:
             problems.append(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             problems.append("first_k_dense_replace outside 0..num_hidden_layers")
+        if self.index_topk is not None:
+            problems += self._indexer_problems()
         if problems:
             raise ValueError("unsupported model config: " + "; ".join(problems))
+
+    def _indexer_problems(self) -> list[str]:
+        problems = []
+        if self.index_topk < 1:
+            problems.append(f"index_topk ({self.index_topk}) must be >= 1")
+        if self.index_n_heads < 1:
+            problems.append(f"index_n_heads ({self.index_n_heads}) must be >= 1")
+        width = self.index_head_dim
+        if not self.qk_rope_head_dim <= width <= 128 or width & (width - 1):
+            problems.append(
+                f"index_head_dim ({width}) must be a power of two (a Hadamard transform precedes "
+                f"FP8) from qk_rope_head_dim ({self.qk_rope_head_dim}, its rope part) to 128 "
+                "(one FP8 scale per key)"
+            )
+        if not self.q_lora_rank:
+            problems.append("index_topk needs q_lora_rank: the indexer reads the query latent")
+        return problems
+
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek-V3.2: attention over the indexer's top-k tokens."""
+        return self.index_topk is not None
+
+    def indexer_parameters(self) -> int:
+        """One layer's lightning indexer (0 without): wq_b, wk, k_norm (a LayerNorm: weight and
+        bias), weights_proj."""
+        if not self.is_sparse:
+            return 0
+        h, width, heads = self.hidden_size, self.index_head_dim, self.index_n_heads
+        return self.q_lora_rank * heads * width + h * width + 2 * width + h * heads
 
     @property
     def qk_head_dim(self) -> int:
@@ -114,7 +152,7 @@ class ModelArgs:
             q = h * self.q_lora_rank + self.q_lora_rank * (heads * self.qk_head_dim + 1)
         kv = h * self.cache_width + self.kv_lora_rank
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + heads * self.v_head_dim * h + 2 * h
+        return q + kv + heads * self.v_head_dim * h + 2 * h + self.indexer_parameters()
 
     def matmul_flops(self, tokens: int) -> float:
         """Every active parameter twice per token (the embedding is a lookup, not a matmul)."""
@@ -153,7 +191,8 @@ class ModelArgs:
             raise ValueError(f"weight_dtype {weight_dtype!r}: expected 'bf16' or 'fp8'")
         h, layers = self.hidden_size, self.num_hidden_layers
         moe_layers = layers - self.first_k_dense_replace
-        norms = layers * (2 * h + (self.q_lora_rank or 0) + self.kv_lora_rank) + h
+        k_norm = 2 * self.index_head_dim if self.is_sparse else 0
+        norms = layers * (2 * h + (self.q_lora_rank or 0) + self.kv_lora_rank + k_norm) + h
         attention = layers * self.attention_parameters() - (norms - h)
         dense = self.first_k_dense_replace * 3 * h * self.intermediate_size
         shared = moe_layers * self.n_shared_experts * self.expert_parameters()
@@ -166,9 +205,11 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArgs:
-        """From a Hugging Face DeepSeek-V3 `config.json` (V2/V3 field names)."""
-        if config.get("model_type") not in (None, "deepseek_v3"):
-            raise ValueError(f"model_type {config['model_type']!r} is not deepseek_v3")
+        """From a Hugging Face DeepSeek-V3 or V3.2 `config.json` (V2/V3 field names, and
+        V3.2's index_* ones)."""
+        model_type = config.get("model_type")
+        if model_type not in (None, "deepseek_v3", "deepseek_v32"):
+            raise ValueError(f"model_type {model_type!r} is neither deepseek_v3 nor deepseek_v32")
         scoring = config.get("scoring_func", "sigmoid")
         if scoring != "sigmoid":
             raise ValueError(f"scoring_func {scoring!r}: only sigmoid (DeepSeek-V3) is supported")
@@ -181,6 +222,16 @@ class ModelArgs:
             raise ValueError("MLA has as many key/value heads as attention heads")
         fields = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in config.items() if k in fields}
+        if model_type == "deepseek_v32":
+            values.setdefault("index_topk", 2048)  # transformers' DeepseekV32Config default
+            values["rope_interleave"] = True  # its MLA rope is interleaved, with no such field
+            layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 3)
+            kinds = config.get("mlp_layer_types")
+            if kinds and kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+                raise ValueError(
+                    f"mlp_layer_types {kinds}: only the first first_k_dense_replace ({dense}) "
+                    "layers may be dense, and the rest must be MoE"
+                )
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]
@@ -254,4 +305,12 @@ PRESETS = {
     ),
     # DeepSeek-V3 (671B): for shapes and cost; not loaded here.
     "v3": ModelArgs(),
+}
+# DeepSeek-V3.2: the same with sparse attention. The tiny one picks 8 tokens with 4 index
+# heads; the lite one has DeepSeek's indexer (64 heads of 128, top 2,048) on
+# V2-Lite's shapes with a query latent (which the indexer reads) as in V2 and V3.
+PRESETS |= {
+    "v3.2-tiny": dataclasses.replace(PRESETS["tiny"], index_topk=8, index_n_heads=4),
+    "v3.2-lite": dataclasses.replace(PRESETS["v2-lite"], q_lora_rank=1536, index_topk=2048),
+    "v3.2": dataclasses.replace(PRESETS["v3"], index_topk=2048),
 }

@@ -7,11 +7,17 @@ and o_proj). Prefill decompresses the whole context of every sequence of the ste
 attends densely, all sequences in one variable-length kernel on CUDA; decode attends to the
 latent cache through a module with FlashMLA's call surface (`DecodeAttention`): mla_kernels,
 or with the model's `kernels` "deepseek" FlashMLA itself.
+
+A DeepSeek-V3.2 model (`ModelArgs.index_topk`) attends sparsely: its lightning indexer
+(`indexer.py`) picks each query's tokens, and queries attend to those alone. In the full pass
+that is a mask over decompressed heads; in a cached step, prefill and decode alike, absorbed
+queries attend to the chosen latent rows (`sparse_attention`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -25,6 +31,7 @@ from ref_server.kernels.latent import cache_latent
 from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
+from ref_server.model.indexer import QUERY_ROWS_AT_ONCE, Indexer, indexer_topk
 from ref_server.model.layers import FusedLinear, RMSNorm, rotate
 
 
@@ -88,18 +95,20 @@ class Attention(nn.Module):
         kv_width = args.qk_nope_head_dim + args.v_head_dim
         self.kv_b_proj = nn.Linear(args.kv_lora_rank, heads * kv_width, bias=False)
         self.o_proj = nn.Linear(heads * args.v_head_dim, h, bias=False)
+        self.indexer = Indexer(args) if args.is_sparse else None
         self._kv_b_dequantized = None  # an FP8 kv_b's weight, see `_kv_b_weight`
 
     def _project(self, x: torch.Tensor):
         """x `[..., n, hidden]` to the queries `[..., n, heads, qk_head_dim]`, their rope
-        columns not yet rotated (`_rotate_queries`, or `cache_latent` in a cached step), and
+        columns not yet rotated (`_rotate_queries`, or `cache_latent` in a cached step),
         kv_a_proj_with_mqa's output `[..., n, kv_lora_rank + rope]`, its latent not yet
         normalized nor its shared rope key rotated (`_latent`, or `cache_latent` into the
-        cache)."""
+        cache), and the normalized query latent `[..., n, q_lora_rank]` (None without)."""
         a = self.args
         q, kv_a = self.qkv_a_proj.row_parts.split(self.qkv_a_proj(x))
-        q = self.q_b_proj(self.q_a_layernorm(q)) if a.q_lora_rank else q
-        return q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim)), kv_a
+        q_latent = self.q_a_layernorm(q) if a.q_lora_rank else None
+        q = self.q_b_proj(q_latent) if a.q_lora_rank else q
+        return q.unflatten(-1, (a.num_attention_heads, a.qk_head_dim)), kv_a, q_latent
 
     def _latent(self, kv_a: torch.Tensor, rotation):
         """kv_a_proj_with_mqa's output to the normalized latent `[..., n, kv_lora_rank]` and
@@ -138,27 +147,34 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotation) -> torch.Tensor:
         """x `[b, t, hidden]`, a causal pass over whole sequences."""
-        q, kv_a = self._project(x)
+        q, kv_a, q_latent = self._project(x)
         self._rotate_queries(q, rotation)
         k, v = self._decompress(*self._latent(kv_a, rotation))
-        return self.o_proj(self._attend(q, k, v, causal=True))
+        if self.indexer is None:
+            return self.o_proj(self._attend(q, k, v, causal=True))
+        chosen = self.indexer(x, q_latent, rotation)  # [b, t, t], causal
+        return self.o_proj(self._attend(q, k, v, mask=chosen.unsqueeze(-3)))
 
     # A cached step's two operations. State in: attn_in `[n, hidden]` (normalized), step
     # (`StepMetadata`, None on a rank without tokens), rotation, and in decode decode_schedule
-    # (`DecodeAttention.schedule`'s). State out: attn_out.
+    # (`DecodeAttention.schedule`'s). State out: attn_out. Between them: attn_query, and in a
+    # sparse model index_query (`Indexer.cache_step`'s queries and head weights).
 
-    def prepare(self, state, kv: torch.Tensor) -> None:
-        """kv: this layer's cache `[blocks, page, 1, 576]`. One `cache_latent` writes the new
-        tokens' latent rows into it and rotates the queries' rope columns: into the absorbed
-        query's (decode), or in place (prefill: the projection's output is then the query)."""
+    def prepare(self, state, kv: torch.Tensor, index_keys=None) -> None:
+        """kv: this layer's cache `[blocks, page, 1, 576]`, index_keys: its indexer keys
+        (`cache.IndexKeys`, in a sparse model). One `cache_latent` writes the new tokens'
+        latent rows into it and rotates the queries' rope columns: into the absorbed query's
+        (decode, and any sparse step), or in place (dense prefill: the projection's output is
+        then the query). The indexer writes its keys beside them."""
         x, step = state.pop("attn_in"), state.step
         if step is None:
             state.attn_query = None
             return
         a, norm = self.args, self.kv_a_layernorm
-        q, kv_a = self._project(x)
+        q, kv_a, q_latent = self._project(x)
         q_rope = q[..., a.qk_nope_head_dim :]
-        if step.is_decode:
+        absorbed = step.is_decode or self.indexer is not None
+        if absorbed:
             query = self._absorbed_query(q)
             rope_out = query[..., a.kv_lora_rank :]
         else:
@@ -168,20 +184,39 @@ class Attention(nn.Module):
             kv_a, norm.weight, norm.eps, cos, sin, a.rope_interleave, kv, step.slot_mapping,
             q=q_rope, q_out=rope_out,
         )  # fmt: skip
-        state.attn_query = query.to(kv.dtype).unsqueeze(1) if step.is_decode else query
+        if self.indexer is not None:
+            state.index_query = self.indexer.cache_step(
+                x, q_latent, state.rotation, index_keys, step.slot_mapping
+            )
+        state.attn_query = query.to(kv.dtype) if absorbed else query
 
-    def core(self, state, kv: torch.Tensor) -> None:
+    def core(self, state, kv: torch.Tensor, index_keys=None) -> None:
         q, step = state.pop("attn_query"), state.step
         if step is None:
             state.attn_out = self.kv_a_layernorm.weight.new_zeros(0, self.args.hidden_size)
             return
-        if step.is_decode:
+        if self.indexer is not None:
+            out = self._sparse(q, kv, index_keys, step, *state.pop("index_query"))
+        elif step.is_decode:
             out = self._absorbed_decode(q, kv, step, state.decode_schedule)
         else:
             out = self._prefill_from_cache(q, kv, step)
-            if out.shape[0] > step.num_tokens:  # a prefill graph's padding rows (`PrefillGraphs`)
-                out[step.num_tokens :] = 0  # attend to nothing: zero, not what memory held
+        if out.shape[0] > step.num_tokens:  # a prefill graph's padding rows (`PrefillGraphs`)
+            out[step.num_tokens :] = 0  # attend to nothing: zero, not what memory held
         state.attn_out = self.o_proj(out.to(self.dtype))
+
+    def _sparse(self, q, cache, index_keys, step, index_q, index_weights):
+        """Absorbed queries q `[n, heads, 576]` over the latent rows their indexer picks."""
+        a = self.args
+        tables = step.block_table
+        if not step.is_decode:  # each new token's sequence's row
+            lens = step.cu_seqlens_q.diff()
+            tables = tables.repeat_interleave(lens, dim=0, output_size=step.num_tokens)
+        slots = indexer_topk(
+            index_q, index_weights, index_keys, tables, step.positions, a.index_topk
+        )
+        out = sparse_attention(q, cache, slots, a.kv_lora_rank, a.softmax_scale)
+        return self._values(out)
 
     def _prefill_from_cache(self, q, cache, step):
         """q `[n, heads, qk_head_dim]`, the new tokens' queries, over each one's context in the
@@ -292,14 +327,35 @@ class Attention(nn.Module):
         """Attention over the latent cache, then values through kv_b's value half."""
         a = self.args
         out = self.decode.attend(
-            q, cache, step.block_table, step.cache_seqlens, schedule, a.kv_lora_rank,
-            a.softmax_scale,
+            q.unsqueeze(1), cache, step.block_table, step.cache_seqlens, schedule,
+            a.kv_lora_rank, a.softmax_scale,
         )  # fmt: skip
+        return self._values(out.squeeze(1))
+
+    def _values(self, out: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention's output `[n, heads, kv_lora_rank]` through kv_b's value half:
+        `[n, heads * v]`."""
+        a = self.args
         _, w_value = self._kv_b_halves()
-        out = out.squeeze(1).to(w_value.dtype)
+        out = out.to(w_value.dtype)
         values = out.new_empty(out.shape[0], a.num_attention_heads, a.v_head_dim)
         torch.bmm(out.transpose(0, 1), w_value.transpose(1, 2), out=values.transpose(0, 1))
         return values.flatten(1)
+
+
+def sparse_attention(q, cache, slots, head_dim_v: int, softmax_scale: float) -> torch.Tensor:
+    """Absorbed queries q `[n, heads, 576]` over the cache `[blocks, page, 1, 576]` rows at
+    slots `[n, topk]` (block * page + offset; -1: none), each query over its own:
+    `[n, heads, head_dim_v]` in q's dtype, values the rows' first head_dim_v columns. Plain
+    torch, where mla_kernels' sparse MLA plugs in. Every query needs one valid slot."""
+    out = []
+    for first in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
+        part = slice(first, first + QUERY_ROWS_AT_ONCE)
+        rows = cache.flatten(0, 2)[slots[part].clamp(min=0)].float()  # [rows, topk, 576]
+        logits = torch.einsum("nhd,nkd->nhk", q[part].float(), rows) * softmax_scale
+        logits = logits.masked_fill(slots[part].unsqueeze(1) < 0, -math.inf)
+        out.append(torch.einsum("nhk,nkd->nhd", logits.softmax(-1), rows[..., :head_dim_v]))
+    return torch.cat(out).to(q.dtype)
 
 
 @dataclass

@@ -3,14 +3,54 @@
 A cache row holds one token of one layer as mla_kernels lays it out: the normalized KV latent
 (kv_lora_rank values) then the rotated shared rope key (qk_rope_head_dim values). Pages are
 `page_size` tokens; which pages a sequence owns is the caller's business (the engine's block
-manager, or `generate`'s contiguous allocation), given as a block table.
+manager, or `generate`'s contiguous allocation), given as a block table. A DeepSeek-V3.2
+model's layers also cache their lightning indexer's key of each token (`IndexKeys`), in a
+tensor of their own with the same pages and slots.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ref_server.kernels.fp8_cast import quantize_activations
 from ref_server.model.args import ModelArgs
+
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass
+class IndexKeys:
+    """One layer's indexer keys, a row per cache slot as the latent's: values
+    `[num_blocks + 1, page_size, index_head_dim]`, e4m3 or unquantized, and scales
+    `[num_blocks + 1, page_size]` float32, each row's (1 for unquantized ones)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.values.dtype == FP8
+
+    @property
+    def page_size(self) -> int:
+        return self.values.shape[1]
+
+    def write(self, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """keys `[n, index_head_dim]` into the rows slot_mapping `[n]` names, quantized to e4m3
+        with a scale per row (amax / 448) in an FP8 cache."""
+        scales = 1.0
+        if self.is_fp8:
+            keys, scales = quantize_activations(keys)
+            scales = scales.squeeze(-1)
+        self.values.flatten(0, 1)[slot_mapping] = keys.to(self.values.dtype)
+        self.scales.flatten()[slot_mapping] = scales
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The keys at slots (any shape) `[*slots.shape, index_head_dim]`, float32."""
+        values = self.values.flatten(0, 1)[slots].float()
+        return values * self.scales.flatten()[slots].unsqueeze(-1)
 
 
 class PagedKVCache:
@@ -21,13 +61,18 @@ class PagedKVCache:
         page_size: int = 64,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        index_dtype: torch.dtype = FP8,
     ) -> None:
+        """index_dtype: the indexer's keys' (a V3.2 model's): e4m3 as DeepSeek keeps them, or
+        a float dtype to keep them unquantized."""
         if problem := args.paged_decode_problem:
             raise ValueError(problem)
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if page_size not in (16, 32, 64, 128):
             raise ValueError(f"page_size must be 16, 32, 64 or 128, got {page_size}")
+        if not index_dtype.is_floating_point:
+            raise ValueError(f"index_dtype must be a floating point dtype, got {index_dtype}")
         self.page_size = page_size
         self.num_blocks = num_blocks
         # One block past the others that no sequence owns: the padding rows of a CUDA-graph
@@ -37,6 +82,15 @@ class PagedKVCache:
         # [num_blocks + 1, page_size, 1, 576] per layer
         self.layers = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
+        ]
+        self.index_keys = [
+            IndexKeys(
+                torch.zeros(*shape[:2], args.index_head_dim, dtype=index_dtype, device=device),
+                torch.ones(shape[:2], dtype=torch.float32, device=device),
+            )
+            if args.is_sparse
+            else None
+            for _ in range(args.num_hidden_layers)
         ]
 
     @property

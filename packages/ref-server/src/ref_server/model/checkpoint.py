@@ -156,18 +156,18 @@ def load_weights(model: Transformer, path: Path) -> None:
 
 def init_random(model: Transformer, seed: int) -> None:
     """Weights from `seed`: N(0, 1/fan_in) for projections (divided by sqrt(2 x layers) for
-    those that write into the residual stream), N(0, 1) for embeddings, ones for
-    norms, zeros for the routing bias. Each tensor draws from its own generator on its device,
-    seeded from (seed, its checkpoint name): ranks on one kind of device agree. FP8 weights
-    are drawn in the model's dtype, then quantized: the weights of the model without FP8,
-    rounded."""
+    those that write into the residual stream), N(0, 1) for embeddings, ones for norms (zeros
+    for their biases), zeros for the routing bias. Each tensor draws from its own generator on
+    its device, seeded from (seed, its checkpoint name): ranks on one kind of device agree.
+    FP8 weights are drawn in the model's dtype, then quantized: the weights of the model
+    without FP8, rounded."""
     dtype = model.embed_tokens.weight.dtype
     with torch.no_grad():
         for name, tensor, scale in checkpoint_tensors(model):
             generator = torch.Generator(tensor.device).manual_seed(hash_seed(seed, name))
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
+            elif name.endswith(("e_score_correction_bias", "norm.bias")):
                 tensor.zero_()
             else:
                 std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5

@@ -162,13 +162,14 @@ class FP8Experts(RoutedExperts):
 def use_fp8(model: nn.Module, gemm=fp8_block_gemm) -> None:
     """Swap, in place, what DeepSeek-V3 checkpoints store in FP8 for empty FP8 modules (on the
     current default device) whose GEMMs run through gemm: every `nn.Linear` but the output head
-    (attention projections, dense and shared-expert MLPs) and every layer's routed `Experts`."""
+    and V3.2's indexer head weights (attention projections, the indexer's, dense and
+    shared-expert MLPs) and every layer's routed `Experts`."""
     head = getattr(model, "lm_head", None)
     for module in list(model.modules()):
         for name, child in module.named_children():
             if isinstance(child, Experts):
                 setattr(module, name, FP8Experts(*child.down_proj.shape, gemm))
-            elif isinstance(child, nn.Linear) and child is not head:
+            elif isinstance(child, nn.Linear) and child is not head and name != "weights_proj":
                 parts = child.row_parts.parts if isinstance(child, FusedLinear) else None
                 layer = FP8Linear(child.in_features, child.out_features, parts, gemm)
                 setattr(module, name, layer)

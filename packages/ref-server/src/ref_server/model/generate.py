@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ref_server.model.cache import PagedKVCache
+from ref_server.model.cache import FP8, PagedKVCache
 from ref_server.model.sampling import SamplingParams, sample
 from ref_server.model.step import StepBatch
 
@@ -23,10 +23,12 @@ def generate(
     *,
     page_size: int = 64,
     cache_dtype: torch.dtype = torch.bfloat16,
+    index_dtype: torch.dtype = FP8,
     return_logits: bool = False,
 ):
     """Token ids generated for each prompt (stopping at eos or a stop id, which is kept);
-    with return_logits also each step's logits `[steps, vocab]` per prompt."""
+    with return_logits also each step's logits `[steps, vocab]` per prompt. index_dtype: a
+    V3.2 model's indexer keys' in the cache (`PagedKVCache`)."""
     params = params or SamplingParams()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -35,7 +37,7 @@ def generate(
         raise ValueError(f"token ids must be in [0, {args.vocab_size})")
     device = model.embed_tokens.weight.device
     pages = [-(-(len(p) + params.max_tokens) // page_size) for p in prompts]
-    cache = PagedKVCache(args, sum(pages), page_size, cache_dtype, device)
+    cache = PagedKVCache(args, sum(pages), page_size, cache_dtype, device, index_dtype)
     first = torch.tensor([0, *pages]).cumsum(0)
     table = torch.full((len(prompts), max(pages)), 0, dtype=torch.int32)
     for s, n in enumerate(pages):

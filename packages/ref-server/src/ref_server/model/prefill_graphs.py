@@ -81,6 +81,11 @@ class PrefillGraphs:
     def __init__(self, model, cache: PagedKVCache, max_tokens: int = 8192, sizes=None) -> None:
         """max_tokens: the most new tokens a captured step takes; sizes: the buckets to capture
         instead of `buckets(max_tokens)`."""
+        if model.args.is_sparse:
+            raise ValueError(
+                "prefill graphs do not take DeepSeek-V3.2's sparse attention yet (its padding "
+                "rows and the indexer's state between pieces): its prefill runs eagerly"
+            )
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
         if model.expert_parallel is not None:

@@ -64,14 +64,15 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rotation)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def operations(self, schedule: str, kv: torch.Tensor) -> list:
-        """This layer's ops in `schedule` ("prefill" or "decode"), kv: its cache."""
+    def operations(self, schedule: str, kv: torch.Tensor, index_keys=None) -> list:
+        """This layer's ops in `schedule` ("prefill" or "decode"), kv: its cache, index_keys:
+        its indexer's (`cache.IndexKeys`, in a sparse model)."""
         moe = isinstance(self.mlp, MoE)
         names = (SCHEDULES[schedule] if moe else DENSE_LAYER).split()
         ops = {
             "comm_prepare_attn": self.comm_prepare_attn,
-            "attn.prepare": partial(self.self_attn.prepare, kv=kv),
-            "attn.core": partial(self.self_attn.core, kv=kv),
+            "attn.prepare": partial(self.self_attn.prepare, kv=kv, index_keys=index_keys),
+            "attn.core": partial(self.self_attn.core, kv=kv, index_keys=index_keys),
             "comm_prepare_mlp": self.comm_prepare_mlp,
             "mlp": self.dense_mlp,
             "postprocess": self.postprocess,
@@ -154,8 +155,8 @@ class Transformer(nn.Module):
         if problem := self.kernels.decode_attention.cache_problem(cache):
             raise ValueError(f"kernels {self.kernels.spec!r}: {problem}")
         ops = [Op("embed", self.embed)]
-        for layer, kv in zip(self.layers, cache.layers, strict=True):
-            ops += layer.operations(schedule, kv)
+        for layer, kv, index_keys in zip(self.layers, cache.layers, cache.index_keys, strict=True):
+            ops += layer.operations(schedule, kv, index_keys)
         return [*ops, Op("head", self.head)]
 
     # State in: step (`StepMetadata`, None on a rank without tokens), input_ids `[n]`.

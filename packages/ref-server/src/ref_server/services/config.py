@@ -16,7 +16,14 @@ TWO_BATCH = ("auto", "on", "off")  # ref_server.engine.model_runner.TWO_BATCH_MO
 OVERLAP_STEPS = ("auto", "on", "off")  # ref_server.engine.engine.OVERLAP_STEPS_MODES
 WEIGHT_DTYPES = ("dense", "fp8")
 KV_TRANSFERS = ("auto", "nixl", "cuda_ipc", "grpc")  # ref_server.services.kv_transfer.METHODS
-PRESET_NAMES = ("tiny", "v2-lite", "v3")  # ref_server.model.PRESETS (a test keeps them equal)
+PRESET_NAMES = (
+    "tiny",
+    "v2-lite",
+    "v3",
+    "v3.2-tiny",
+    "v3.2-lite",
+    "v3.2",
+)  # ref_server.model.PRESETS (a test keeps them equal)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

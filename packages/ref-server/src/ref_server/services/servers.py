@@ -66,7 +66,13 @@ REQUEST_SLACK_BYTES = 64 << 10
 
 
 def model_args(config: ServeConfig) -> M.ModelArgs:
-    return read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
+    args = read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
+    if args.is_sparse:
+        raise ValueError(
+            "DeepSeek-V3.2 models (index_topk) do not serve yet: the instances would not move "
+            "the indexer's keys with the KV pages; ref_server.model runs them in one process"
+        )
+    return args
 
 
 def model_fingerprint(config: ServeConfig) -> str:
