@@ -5,7 +5,8 @@ A cache row holds one token of one layer as mla_kernels lays it out: the normali
 `page_size` tokens; which pages a sequence owns is the caller's business (the engine's block
 manager, or `generate`'s contiguous allocation), given as a block table. A DeepSeek-V3.2
 model's layers also cache their lightning indexer's key of each token (`IndexKeys`), in a
-tensor of their own with the same pages and slots.
+tensor of their own with the same pages and slots. A model with an MTP module
+(`ref_server.model.mtp`) has one more layer here, after its own.
 """
 
 from __future__ import annotations
@@ -79,10 +80,9 @@ class PagedKVCache:
         # decode step (`DecodeGraphs`) write and read there.
         self.padding_block = num_blocks
         shape = (num_blocks + 1, page_size, 1, args.cache_width)
-        # [num_blocks + 1, page_size, 1, 576] per layer
-        self.layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
-        ]
+        # [num_blocks + 1, page_size, 1, 576] per layer, the MTP module's last
+        num_layers = args.num_hidden_layers + args.num_nextn_predict_layers
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.index_keys = [
             IndexKeys(
                 torch.zeros(*shape[:2], args.index_head_dim, dtype=index_dtype, device=device),
@@ -90,7 +90,7 @@ class PagedKVCache:
             )
             if args.is_sparse
             else None
-            for _ in range(args.num_hidden_layers)
+            for _ in range(num_layers)
         ]
 
     @property
