@@ -46,9 +46,9 @@ from ref_server.kernels.pdl import launch_options
 FP8 = torch.float8_e4m3fn
 SWITCH = "REF_SERVER_INDEXER_TRITON"
 REFERENCE_CHUNK_VALUES = 1 << 26  # the reference's largest intermediate, in fp32 values
-BLOCK_N = 64  # keys a tile
+BLOCK_N = 128  # keys a tile
 MAX_DOT_ROWS = 128  # query rows (tokens x heads) a program's dot takes, where there are as many
-TARGET_PROGRAMS = 1024  # a program walks more tiles of keys only where there are more than these
+TARGET_PROGRAMS = 4096  # a program walks more tiles of keys only where there are more than these
 
 
 def triton_by_environment() -> bool:
