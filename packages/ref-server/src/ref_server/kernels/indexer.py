@@ -405,12 +405,17 @@ def _logits_kernel(
     )
     w = tl.load(weights + q_rows, mask=row_ok, other=0.0)
 
+    q_t = tl.trans(q_tile)  # the keys are the dot's rows: the sum over heads stays in a thread
     # A constexpr bound: Triton 3.6's interpreter takes no tensor for one (with numpy 2.4).
-    for i in range(TILES_A_PROGRAM):
+    for i in tl.range(TILES_A_PROGRAM, num_stages=3):
         tile = tl.program_id(1) * TILES_A_PROGRAM + i
         positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        if (tile >= first_seen) & (tile < last_seen):
-            wanted = positions < tl.max(hi, 0)
+        # A prefill's causal ranges leave many tiles unseen by all of a program's queries: it
+        # skips them. Decode seldom has such tiles, and its loop, without the branch, is
+        # software-pipelined.
+        any_seen = True if PAGED else (tile >= first_seen) & (tile < last_seen)
+        if any_seen:
+            wanted = (positions >= tl.min(lo, 0)) & (positions < tl.max(hi, 0))
             if PAGED:
                 page = tl.load(
                     block_table + batch * max_pages + positions // page_size, mask=wanted, other=0
@@ -425,13 +430,13 @@ def _logits_kernel(
                 other=0.0,
             )
             k_scale = tl.load(scales + key_ids, mask=wanted, other=0.0)
-            scores = tl.dot(q_tile, tl.trans(k_tile))  # [Q_TOKENS * HEADS, BLOCK_N] fp32
-            scores = tl.maximum(scores, 0.0) * w[:, None]
-            tile_logits = tl.sum(tl.reshape(scores, (Q_TOKENS, HEADS, BLOCK_N)), 1)
+            scores = tl.dot(k_tile, q_t)  # [BLOCK_N, Q_TOKENS * HEADS] fp32
+            scores = tl.maximum(scores, 0.0) * w[None, :]
+            tile_logits = tl.trans(tl.sum(tl.reshape(scores, (BLOCK_N, Q_TOKENS, HEADS)), 2))
             tile_logits *= k_scale[None, :]
             seen = (positions[None, :] >= lo[:, None]) & (positions[None, :] < hi[:, None])
             tile_logits = tl.where(seen, tile_logits, float("-inf"))
-        else:  # a tile no query of the program sees
+        else:  # a tile no query of the program sees (prefill)
             tile_logits = tl.full([Q_TOKENS, BLOCK_N], float("-inf"), tl.float32)
         tl.store(
             logits + rows[:, None] * width + positions[None, :],
