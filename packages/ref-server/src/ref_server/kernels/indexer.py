@@ -48,7 +48,7 @@ FP8 = torch.float8_e4m3fn
 SWITCH = "REF_SERVER_INDEXER_TRITON"
 REFERENCE_CHUNK_VALUES = 1 << 26  # the reference's largest intermediate, in fp32 values
 BLOCK_N = 128  # keys a tile
-MAX_DOT_ROWS = 128  # query rows (tokens x heads) a program's dot takes, where there are as many
+MAX_DOT_ROWS = 128  # token-heads (the dot's columns) a program takes, where s_q has as many
 TARGET_PROGRAMS = 4096  # a program walks more tiles of keys only where there are more than these
 
 
@@ -313,7 +313,7 @@ def _launch(q, weights, keys, scales, block_table, seqlens, ks, ke, page_size, l
         x.contiguous() for x in (q, weights, keys, scales, block_table, seqlens, ks, ke)
     )
     heads_p2 = _pow2(heads)
-    # rows of the dot: at least 16 (tl.dot's least), at most MAX_DOT_ROWS where s_q has them
+    # token-heads: at least 16 (tl.dot's least), at most MAX_DOT_ROWS where s_q has them
     q_tokens = max(1, 16 // heads_p2, min(_pow2(s_q), MAX_DOT_ROWS // heads_p2))
     q_blocks = -(-s_q // q_tokens)
     tiles = -(-width // BLOCK_N)
@@ -392,7 +392,7 @@ def _logits_kernel(
     first_seen = tl.min(lo, 0) // BLOCK_N  # the program's first and last tiles with a key seen
     last_seen = tl.cdiv(tl.max(hi, 0), BLOCK_N)
 
-    # all heads of Q_TOKENS tokens as the rows of one dot
+    # all heads of the program's tokens: the columns of each tile's dot
     dot_rows = tl.arange(0, Q_TOKENS * HEADS)
     head = dot_rows % HEADS
     dot_tokens = first_token + dot_rows // HEADS
