@@ -161,6 +161,24 @@ def generate_together(client: Client, requests: list[dict], timeout: float = 60)
         return list(pool.map(lambda kw: client.generate(timeout=timeout, **kw), requests))
 
 
+def draft_oracle(want: dict[int, int], wrong_every: int):
+    """A `propose` that drafts the reference's token at each position (positions of the
+    prompts' continuations must not overlap), but a wrong one where position % wrong_every is
+    0: runs of accepted drafts, each ended by a rejection."""
+
+    def propose(logits, params, position):
+        token = want.get(position, 0)
+        return (token + 1) % len(logits) if position % wrong_every == 0 else token, None
+
+    return propose
+
+
+@pytest.fixture
+def oracle():
+    """`draft_oracle`: speculative decoding's tests monkeypatch `speculative.propose` with it."""
+    return draft_oracle
+
+
 OVERLAP_STEPS_FORCED = os.environ.get("REF_SERVER_TEST_OVERLAP_STEPS") == "on"
 
 
@@ -174,7 +192,8 @@ def overlap_steps_forced(monkeypatch):
     built = engine.Engine.__init__
 
     def build(self, model, config, overlap_steps="auto", **options):
-        if overlap_steps == "auto" and not engine.overlap_refusal(model, options.get("eplb")):
+        refusal = engine.overlap_refusal(model, options.get("eplb"))
+        if overlap_steps == "auto" and not refusal and not options.get("draft_tokens"):
             overlap_steps = "on"
         built(self, model, config, overlap_steps, **options)
 

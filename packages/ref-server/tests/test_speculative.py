@@ -48,21 +48,9 @@ def test_a_model_without_the_module_refuses_to_speculate():
         dataclasses.replace(M.PRESETS["tiny"], num_nextn_predict_layers=2)
 
 
-def oracle(want: dict[int, int], wrong_every: int):
-    """A `propose` that drafts the reference's token at each position (positions of the
-    prompts' continuations must not overlap), but a wrong one where position % wrong_every is
-    0: runs of accepted drafts, each ended by a rejection."""
-
-    def propose(logits, params, position):
-        token = want.get(position, 0)
-        return (token + 1) % len(logits) if position % wrong_every == 0 else token, None
-
-    return propose
-
-
 @pytest.mark.parametrize("draft_tokens", [1, 2, 3])
 @pytest.mark.parametrize("preset", ["tiny", "v3.2-tiny"])
-def test_greedy_speculation_gives_plain_greedy_tokens(preset, draft_tokens, monkeypatch):
+def test_greedy_speculation_gives_plain_greedy_tokens(preset, draft_tokens, monkeypatch, oracle):
     model = M.from_preset(preset, mtp=True, seed=draft_tokens)
     gen = torch.Generator().manual_seed(draft_tokens)
     prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (5, 40, 1)]

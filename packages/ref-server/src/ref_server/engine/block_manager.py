@@ -155,6 +155,16 @@ class BlockManager:
                 raise MemoryError(f"no free page for {seq.request_id}")
             seq.block_table.append(self._fresh())
 
+    def resize(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for exactly seq's first num_tokens tokens: those past them released, or free
+        ones added; False, and nothing added, when too few are free."""
+        missing = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if missing > self.num_free:
+            return False
+        seq.block_table += [self._fresh() for _ in range(missing)]
+        self.trim(seq, num_tokens)
+        return True
+
     def register_computed(self, seq: Sequence) -> None:
         """Make seq's computed full pages findable by hash (those not registered yet)."""
         if seq.num_computed // self.block_size <= seq.num_registered:

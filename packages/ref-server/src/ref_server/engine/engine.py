@@ -12,6 +12,12 @@ from the device; `step` returns the sequences that got the previous step's token
 that ends at eos or a stop token is known one step late: the step queued meanwhile computes a
 row for it that is dropped, and its pages are reused once that step is done. One that ends at
 max_tokens is known ahead and not scheduled again.
+
+With speculative decoding (`draft_tokens` k > 0, a model with its MTP module), each step
+verifies the drafts of every decoding sequence (`ModelRunner.verify`), the sequences take their
+accepted drafts and one more token (a stop or max_tokens inside the run ends it there), the
+pages that hold only rejected drafts go back, and the module drafts the next round's tokens
+(`ModelRunner.draft`); `step` returns the sequences that got tokens (`seq.num_new` of them).
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import torch
 
 from ref_server.engine.model_runner import LaunchedStep, ModelRunner
 from ref_server.engine.scheduler import Scheduler, SchedulerConfig
-from ref_server.engine.sequence import Sequence
+from ref_server.engine.sequence import Sequence, Status
 from ref_server.model.sampling import SamplingParams
+from ref_server.model.speculative import SpeculativeStats, check_draft_tokens
 
 OVERLAP_STEPS_MODES = ("auto", "on", "off")
 
@@ -36,12 +43,31 @@ def overlap_refusal(model, eplb) -> str | None:
     return None
 
 
+def speculation_refusal(model, overlap_steps: str, eplb) -> str | None:
+    """Why an engine of `model` cannot decode speculatively; None: it can."""
+    if model.mtp is None:
+        return "the model has no MTP module (num_nextn_predict_layers 0)"
+    if overlap_steps == "on":
+        return "not with overlapped steps: a round's drafts come from its verified tokens"
+    if model.expert_parallel or eplb:
+        return "not with expert parallelism or expert balancing yet"
+    return None
+
+
 class Engine:
     def __init__(
-        self, model, config: SchedulerConfig, overlap_steps: str = "auto", **runner_options
+        self,
+        model,
+        config: SchedulerConfig,
+        overlap_steps: str = "auto",
+        draft_tokens: int = 0,
+        forced_acceptance: float | None = None,
+        **runner_options,
     ) -> None:
         """overlap_steps: "on" queues each step before the previous step's tokens are read (one
         rank, no expert balancing); "auto" is "off" until that has been measured on a GPU.
+        draft_tokens: 1-3 for speculative decoding with the model's MTP module, 0 for none;
+        forced_acceptance: `accept`'s benchmark hook (the text is then not the model's).
         runner_options: `ModelRunner`'s (cache_dtype, two_batch, thresholds, eplb)."""
         if overlap_steps not in OVERLAP_STEPS_MODES:
             raise ValueError(
@@ -50,6 +76,13 @@ class Engine:
         refusal = overlap_refusal(model, runner_options.get("eplb"))
         if overlap_steps == "on" and refusal:
             raise ValueError(f"overlap_steps on: {refusal}")
+        if draft_tokens:
+            check_draft_tokens(draft_tokens)
+            if refusal := speculation_refusal(model, overlap_steps, runner_options.get("eplb")):
+                raise ValueError(f"speculative decoding: {refusal}")
+        self.draft_tokens = draft_tokens
+        self.forced_acceptance = forced_acceptance
+        self.speculative_stats = SpeculativeStats()
         self.overlap_steps = overlap_steps == "on"
         self.model = model
         self.scheduler = Scheduler(config)
@@ -142,6 +175,8 @@ class Engine:
         self.idle = step is None and self.in_flight is None
         if step is None:
             return self._read_in_flight() if self.in_flight else self._nothing_to_run()
+        if self.draft_tokens:
+            return self._speculative_step(step)
         if not self.overlap_steps:
             return self.scheduler.advance(step, self.runner.run(step))
         launched = self.runner.launch(step, self.in_flight, read_later=True)
@@ -149,6 +184,23 @@ class Engine:
         updated = self._read_in_flight() if self.in_flight else []
         self.scheduler.computed(step)
         self.in_flight = launched
+        return updated
+
+    def _speculative_step(self, step) -> list[Sequence]:
+        verified = self.runner.verify(step, self.forced_acceptance)
+        stats = self.speculative_stats
+        for seq, tokens in zip(step.seqs, verified.accepted, strict=True):
+            if seq.drafts:
+                stats.rounds += 1
+                stats.drafted += len(seq.drafts)
+                stats.accepted += len(tokens) - 1
+        updated = self.scheduler.accepted(step, verified.accepted)
+        counts = {
+            seq: self.scheduler.draft_room(seq, self.draft_tokens)
+            for seq in updated
+            if seq.status is Status.RUNNING
+        }
+        self.runner.draft(verified, counts)
         return updated
 
     def _read_in_flight(self) -> list[Sequence]:

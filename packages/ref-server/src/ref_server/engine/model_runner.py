@@ -15,6 +15,11 @@ the expert balancer counts the step and moves experts (`ExpertBalancer`).
 it reads the previous one: a launch with `read_later` queues its sampled tokens' copy to the
 host behind it, so that `read` waits for that step alone, and a token the host has not read yet
 (the sequence's `pending` one) is taken from the previous step's tokens on the device.
+
+Speculative decoding with the MTP module (`ref_server.model.speculative`) runs `verify` instead
+of `run`: the model over every new token (a sequence's newest one and its drafts) and the
+acceptance of the drafts; then, once the scheduler has taken the tokens, `draft` runs the module
+over the kept tokens' hidden states and drafts the next round's tokens. Both run eagerly.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from overlap_sched.gating import MODES, Thresholds, wants_overlap
 from overlap_sched.split import split_decode, split_prefill
 from ref_server.engine.expert_balancer import EplbConfig, ExpertBalancer
 from ref_server.engine.scheduler import SchedulerConfig, Step
-from ref_server.engine.sequence import Sequence
+from ref_server.engine.sequence import Sequence, Status
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import sample_on_device
+from ref_server.model.speculative import accept, draft
 from ref_server.model.step import StepBatch
 
 TWO_BATCH_MODES = ("auto", "on", "off")
@@ -83,6 +89,17 @@ class LaunchedStep:
         if self.tokens is None:
             return []
         return (self.tokens if self.host is None else self.host).tolist()
+
+
+@dataclass
+class VerifiedStep:
+    """A speculative step's outcome: each sequence's accepted drafts and the token after them
+    (None for chunks that end inside a prompt), and what `ModelRunner.draft` reads next."""
+
+    step: Step
+    accepted: list[list[int] | None]
+    hidden: torch.Tensor  # `[new tokens, hidden]`: the model's output hidden state of each
+    starts: list[int]  # each sequence's computed tokens before the step
 
 
 class ModelRunner:
@@ -149,6 +166,7 @@ class ModelRunner:
         ids, context, pending = [], [], []
         for seq, chunk in zip(step.seqs, step.chunks, strict=True):
             ids += seq.tokens[seq.num_computed : seq.num_computed + chunk]
+            ids += seq.drafts  # speculative decoding's: chunk counts them
             if seq.pending:  # its chunk is that one token
                 pending.append((len(ids), previous.rows[seq]))
                 ids.append(0)
@@ -203,6 +221,57 @@ class ModelRunner:
         self._check_exchange()
         self._step_done()
         return launched
+
+    @torch.no_grad()
+    def verify(self, step: Step, forced_acceptance: float | None = None) -> VerifiedStep:
+        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) and
+        accept the drafts (`accept`; forced_acceptance: its benchmark hook)."""
+        batch = self.prepare(step)
+        logits, hidden = self.model.every_row_step(batch, self.cache)
+        accepted, row = [], 0
+        for seq, chunk in zip(step.seqs, step.chunks, strict=True):
+            known = chunk - len(seq.drafts)
+            if seq.num_computed + known < len(seq):
+                accepted.append(None)
+            else:
+                rows = logits[row + known - 1 : row + chunk]
+                accepted.append(
+                    accept(
+                        rows, seq.drafts, seq.draft_probs, seq.params, len(seq), forced_acceptance
+                    )
+                )
+            row += chunk
+        return VerifiedStep(step, accepted, hidden, [seq.num_computed for seq in step.seqs])
+
+    @torch.no_grad()
+    def draft(self, verified: VerifiedStep, counts: dict[Sequence, int]) -> None:
+        """After the scheduler took a verified step's tokens: the MTP module reads the hidden
+        state of each running sequence's newly kept tokens with the token after each, and
+        drafts counts[seq] tokens (none for sequences not in counts) into seq.drafts."""
+        seqs, new, rows, row = [], [], [], 0
+        for seq, chunk, start in zip(
+            verified.step.seqs, verified.step.chunks, verified.starts, strict=True
+        ):
+            if seq.status is Status.RUNNING:
+                kept = seq.num_computed - start
+                seqs.append(seq)
+                new.append(seq.tokens[start + 1 : start + kept + 1])
+                rows += range(row, row + kept)
+            row += chunk
+        if not seqs:
+            return
+        width = max(len(seq.block_table) for seq in seqs)
+        table = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        batch = StepBatch(
+            torch.tensor([t for n in new for t in n], device=self.device),
+            [len(n) for n in new],
+            [seq.num_computed for seq in seqs],
+            torch.tensor(table, dtype=torch.int32),
+        )
+        params, wanted = [s.params for s in seqs], [counts.get(s, 0) for s in seqs]
+        drafts, probs = draft(self.model, self.cache, batch, verified.hidden[rows], params, wanted)
+        for seq, tokens, q in zip(seqs, drafts, probs, strict=True):
+            seq.drafts, seq.draft_probs = tokens, q
 
     def read(self, launched: LaunchedStep) -> list[int | None]:
         """`run`'s tokens of a launched step."""

@@ -3,14 +3,17 @@
 Continuous batching: sequences join and leave between steps. A step is either a prefill step
 (chunks of sequences that have more than one token to compute, within a token budget; a long
 prompt is spread over several steps: chunked prefill) or a decode step (one token for every
-running sequence). Prefill goes first. When a decode step runs out of pages, the most recently
-admitted sequence is preempted: its pages are freed and it waits to be recomputed.
+running sequence, with its drafts when speculating). Prefill goes first. When a decode step
+runs out of pages, the most recently admitted sequence is preempted: its pages are freed and
+it waits to be recomputed.
 
 A step's outcome comes in two halves: `computed` (its chunks are in the cache, the sequences
 that sample await a `pending` token) and `received` (the sampled tokens, read back; finishes
 are decided here). `advance` is both at once. An engine that overlaps its steps calls
 `computed` as it queues a step on the device and `received` a step later, so a sequence that
 ends is known one step late: a step queued meanwhile still has its row, which is dropped.
+`accepted` is the outcome of a speculative step, whose sequences may each take several tokens
+and give back the KV of rejected drafts; `draft_room` gives each the pages of its next drafts.
 
 A prefill instance keeps a finished sequence's pages (`held`) until a decode instance has
 copied them; a decode instance reserves pages for a sequence prefilled elsewhere (`reserved`)
@@ -208,12 +211,14 @@ class Scheduler:
             else:
                 self.blocks.append(seq)
                 seqs.append(seq)
-        return Step(seqs, [1] * len(seqs), is_prefill=False) if seqs else None
+        chunks = [1 + len(seq.drafts) for seq in seqs]  # the drafts' pages are taken already
+        return Step(seqs, chunks, is_prefill=False) if seqs else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.deallocate(seq)
+        seq.drafts, seq.draft_probs = [], []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
@@ -242,11 +247,55 @@ class Scheduler:
         for seq, token in zip(step.seqs, sampled, strict=True):
             if token is None or seq.status is Status.FINISHED:  # aborted after it was queued
                 continue
-            seq.tokens.append(token)
             seq.pending = False
+            if reason := self._take(seq, [token]):
+                self.finish(seq, reason)
             updated.append(seq)
-            if token in seq.eos_ids or token in seq.params.stop_token_ids:
-                self.finish(seq, FinishReason.STOP)
-            elif seq.reached_max_tokens:
-                self.finish(seq, FinishReason.LENGTH)
         return updated
+
+    @staticmethod
+    def _take(seq: Sequence, tokens: list[int]) -> FinishReason | None:
+        """seq's new tokens, up to and including one that finishes it (eos, a stop token,
+        max_tokens): why it finishes, None if it goes on."""
+        seq.num_new = 0
+        for token in tokens:
+            seq.tokens.append(token)
+            seq.num_new += 1
+            if token in seq.eos_ids or token in seq.params.stop_token_ids:
+                return FinishReason.STOP
+            if seq.reached_max_tokens:
+                return FinishReason.LENGTH
+        return None
+
+    def accepted(self, step: Step, results: list[list[int] | None]) -> list[Sequence]:
+        """After a speculative step: results, each sequence's accepted drafts and the token
+        after them (None for chunks that end inside a prompt). Each keeps the KV of its chunk
+        but its rejected drafts' (their pages go back with `draft_room`) and takes the tokens
+        as `received` does. Returns the sequences that got tokens."""
+        updated = []
+        for seq, chunk, tokens in zip(step.seqs, step.chunks, results, strict=True):
+            rejected = 0 if tokens is None else len(seq.drafts) + 1 - len(tokens)
+            seq.drafts, seq.draft_probs = [], []
+            seq.num_computed += chunk - rejected
+            if tokens is None:
+                self.blocks.register_computed(seq)
+                continue
+            reason = self._take(seq, tokens)
+            # one that finished inside the run keeps no KV past its last token
+            seq.num_computed = min(seq.num_computed, len(seq) - 1)
+            self.blocks.register_computed(seq)
+            if reason:
+                self.finish(seq, reason)
+            updated.append(seq)
+        return updated
+
+    def draft_room(self, seq: Sequence, wanted: int) -> int:
+        """Pages for a running sequence's tokens and the next round's drafts, up to `wanted`
+        of them, as far as pages are free and max_tokens leaves room; those past are freed.
+        Returns the drafts there is room for."""
+        wanted = min(wanted, seq.params.max_tokens - seq.num_generated - 1)
+        for count in range(wanted, 0, -1):
+            if self.blocks.resize(seq, len(seq) + count):
+                return count
+        self.blocks.trim(seq, len(seq))
+        return 0
