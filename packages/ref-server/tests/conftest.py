@@ -8,6 +8,7 @@ instances started from `tiny_config`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -161,22 +162,17 @@ def generate_together(client: Client, requests: list[dict], timeout: float = 60)
         return list(pool.map(lambda kw: client.generate(timeout=timeout, **kw), requests))
 
 
-def draft_oracle(want: dict[int, int], wrong_every: int):
-    """A `propose` that drafts the reference's token at each position (positions of the
-    prompts' continuations must not overlap), but a wrong one where position % wrong_every is
-    0: runs of accepted drafts, each ended by a rejection."""
-
-    def propose(logits, params, position):
-        token = want.get(position, 0)
-        return (token + 1) % len(logits) if position % wrong_every == 0 else token, None
-
-    return propose
+FAULTS = Path(__file__).with_name("faults")  # faults and hooks for processes the tests start
 
 
 @pytest.fixture
 def oracle():
-    """`draft_oracle`: speculative decoding's tests monkeypatch `speculative.propose` with it."""
-    return draft_oracle
+    """`faults/sitecustomize.py`'s `draft_oracle`: speculative decoding's tests monkeypatch
+    `speculative.propose` with it."""
+    spec = importlib.util.spec_from_file_location("faults", FAULTS / "sitecustomize.py")
+    faults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(faults)
+    return faults.draft_oracle
 
 
 OVERLAP_STEPS_FORCED = os.environ.get("REF_SERVER_TEST_OVERLAP_STEPS") == "on"
@@ -216,7 +212,8 @@ def tiny_config(**overrides) -> ServeConfig:
         health_interval_s=0.25,
     )
     config = ServeConfig(**(values | overrides))
-    one_rank = config.ranks == 1 and not config.eplb_interval  # where "on" is allowed
+    # where "on" is allowed
+    one_rank = config.ranks == 1 and not config.eplb_interval and config.speculative == "off"
     if OVERLAP_STEPS_FORCED and config.overlap_steps == "auto" and one_rank:
         return config.replace(overlap_steps="on")
     return config

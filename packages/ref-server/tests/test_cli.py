@@ -236,6 +236,17 @@ def test_top_level_help_lists_the_commands():
             "max_concurrent_rpcs must be above max_inflight (64), got 64",
         ),
         (["serve", "--max-stops", "0"], "max_stops must be > 0, got 0"),
+        (["serve", "--speculative", "eagle"], "argument --speculative: invalid choice: 'eagle'"),
+        (["serve", "--speculative", "mtp", "--draft-tokens", "4"], "draft_tokens must be 1 to 3"),
+        (["serve", "--draft-tokens", "0"], "draft_tokens must be 1 to 3, got 0"),
+        (
+            ["serve", "--speculative", "mtp", "--overlap-steps", "on"],
+            "speculative mtp does not overlap steps",
+        ),
+        (
+            ["serve", "--speculative", "mtp", "--ranks", "2"],
+            "speculative mtp needs instances of one rank without EPLB",
+        ),
         (["demo", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
         (["demo", "--requests", "0"], "argument --requests: must be a whole number > 0"),
         (["demo", "--max-tokens", "many"], "argument --max-tokens: must be a whole number"),
@@ -384,6 +395,27 @@ def test_the_cli_knows_the_overlap_steps_modes():
     from ref_server.engine.engine import OVERLAP_STEPS_MODES
 
     assert OVERLAP_STEPS_MODES == OVERLAP_STEPS
+
+
+def test_speculative_decoding_is_a_serving_choice_from_the_config_file_and_flags(
+    tmp_path, checkpoints
+):
+    from ref_server.model.speculative import MAX_DRAFT_TOKENS
+    from ref_server.services.config import MAX_DRAFT_TOKENS as MAX_IN_CONFIG
+    from ref_server.services.servers import load_model, model_args, model_fingerprint
+
+    assert MAX_IN_CONFIG == MAX_DRAFT_TOKENS
+    path = tmp_path / "serve.toml"
+    path.write_text('speculative = "mtp"\ndraft_tokens = 2\ndevice = "cpu"\n')
+    config = ServeConfig.from_file(path)
+    assert (config.speculative, config.draft_tokens) == ("mtp", 2)
+    assert ServeConfig.from_file(path, draft_tokens=3).draft_tokens == 3
+    assert load_model(config, None).mtp is not None  # a preset gets the module with the flag
+    assert load_model(ServeConfig(device="cpu"), None).mtp is None
+    assert model_fingerprint(config) != model_fingerprint(ServeConfig(device="cpu"))
+    checkpoints.write(tmp_path / "no-mtp", seed=1)  # transformers saves no MTP weights
+    with pytest.raises(ValueError, match=r"--speculative mtp: .*no-mtp has no MTP module"):
+        model_args(config.replace(model=str(tmp_path / "no-mtp")))
 
 
 def test_fp8_weights_are_a_serving_choice_and_part_of_the_fingerprint():

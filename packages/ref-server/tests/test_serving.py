@@ -6,11 +6,14 @@ test's own process."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -32,16 +35,47 @@ SEED = 4
 
 
 @pytest.fixture(scope="module")
-def client(tiny_deployment):
-    with Client(tiny_deployment.address) as with_router:
-        yield with_router
-
-
-@pytest.fixture(scope="module")
 def reference():
     return M.from_preset("tiny", seed=SEED)
 
 
+# Prompts whose greedy continuations the speculative deployment drafts right (but at every
+# fifth position): accepted runs of up to 4 tokens. Their positions do not overlap.
+DRAFTED = {(5, 6, 7): 40, tuple(range(100, 230)): 30}
+
+
+@pytest.fixture(scope="module")
+def speculative_deployment(reference, serving, tmp_path_factory):
+    """`--speculative mtp --draft-tokens 3`, drafting by `faults/sitecustomize.py`'s oracle."""
+    drafts = {}
+    for prompt, max_tokens in DRAFTED.items():
+        want = reference.generate([list(prompt)], M.SamplingParams(max_tokens=max_tokens))[0]
+        drafts |= {len(prompt) + i: t for i, t in enumerate(want)}
+    path = tmp_path_factory.mktemp("drafts") / "drafts.json"
+    path.write_text(json.dumps(drafts))
+    faults = str(Path(__file__).with_name("faults"))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")]))
+        env.setenv("REF_SERVER_TEST_DRAFTS", str(path))
+        config = serving.config(speculative="mtp", draft_tokens=3)
+        running = Deployment(config, startup_timeout=120)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(request):
+    """The router of the shared deployment; parametrized "mtp": of the speculative one."""
+    speculative = getattr(request, "param", "plain") == "mtp"
+    deployment = "speculative_deployment" if speculative else "tiny_deployment"
+    with Client(request.getfixturevalue(deployment).address) as with_router:
+        yield with_router
+
+
+PLAIN_AND_SPECULATIVE = pytest.mark.parametrize("client", ["plain", "mtp"], indirect=True)
+
+
+@PLAIN_AND_SPECULATIVE
 def test_greedy_output_equals_one_process_generation(client, reference):
     prompts = [[5, 6, 7], list(range(2, 60)), [9] * 17, list(range(100, 230))]
     for prompt, max_tokens in zip(prompts, (1, 5, 16, 30), strict=True):
@@ -95,6 +129,7 @@ def test_multibyte_characters_stream_intact(client, reference):
     assert multibyte > 0
 
 
+@PLAIN_AND_SPECULATIVE
 def test_stop_strings_end_the_text_before_them(client, reference):
     full = client.generate([5, 6, 7], temperature=0, max_tokens=40)
     stop = full.text[5:8]
@@ -381,6 +416,30 @@ def test_health_info_and_metrics(client, tiny_deployment):
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(f"{base}/anything", timeout=5)
     assert caught.value.code == 404
+
+
+@pytest.mark.parametrize("client", ["mtp"], indirect=True)
+def test_speculative_decoding_streams_accepted_runs_reports_them_and_frees_pages(
+    client, speculative_deployment, reference, serving
+):
+    prompt, max_tokens = list(range(100, 230)), DRAFTED[tuple(range(100, 230))]
+    want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
+    chunks = list(client.stream(prompt, temperature=0, max_tokens=max_tokens, timeout=60))
+    assert [t for c in chunks for t in c.token_ids] == want
+    assert "".join(c.text for c in chunks) == reference.tokenizer.decode(want)
+
+    def loads():  # as the router last read them
+        return {w.role: w.load for w in client.server_info().workers}
+
+    serving.wait_until(lambda: loads()["decode"].accepted_length > 0, 3, "the decode load's stats")
+    assert 0.3 < loads()["decode"].draft_acceptance_rate < 1
+    assert 1.3 < loads()["decode"].accepted_length <= 4
+    port = speculative_deployment.config.http_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    rate = re.search(r'ref_server_worker_draft_acceptance_rate\{worker="decode-0"\} (\S+)', text)
+    length = re.search(r'ref_server_worker_accepted_length\{worker="decode-0"\} (\S+)', text)
+    assert 0.3 < float(rate[1]) < 1 and 1.3 < float(length[1]) <= 4
+    serving.wait_idle(client)
 
 
 def test_reflection_lists_only_the_public_api(tiny_deployment):

@@ -21,6 +21,7 @@ from ref_server.services.config import (
     OVERLAP_STEPS,
     PRESET_NAMES,
     ROLES,
+    SPECULATIVE,
     TWO_BATCH,
     WEIGHT_DTYPES,
     ServeConfig,
@@ -39,7 +40,8 @@ SETTING_GROUPS = {
     "engine (every instance)": (
         "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
         "max_waiting", "hold_seconds", "kv_transfer", "two_batch", "two_batch_decode_tokens",
-        "two_batch_prefill_tokens", "prefill_graph_tokens", "overlap_steps",
+        "two_batch_prefill_tokens", "prefill_graph_tokens", "overlap_steps", "speculative",
+        "draft_tokens",
     ),
     "router": (
         "prefill", "decode", "health_interval_s", "health_failures", "cache_threshold",
@@ -82,6 +84,7 @@ CHOICES = {
     "preset": PRESET_NAMES,
     "two_batch": TWO_BATCH,
     "overlap_steps": OVERLAP_STEPS,
+    "speculative": SPECULATIVE,
     "kv_transfer": KV_TRANSFERS,
     "weight_dtype": WEIGHT_DTYPES,
     "log_level": LOG_LEVELS,

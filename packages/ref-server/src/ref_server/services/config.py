@@ -14,6 +14,8 @@ from ref_server.config_file import read_toml
 ROLES = ("router", "prefill", "decode", "all")
 TWO_BATCH = ("auto", "on", "off")  # ref_server.engine.model_runner.TWO_BATCH_MODES
 OVERLAP_STEPS = ("auto", "on", "off")  # ref_server.engine.engine.OVERLAP_STEPS_MODES
+SPECULATIVE = ("off", "mtp")
+MAX_DRAFT_TOKENS = 3  # ref_server.model.speculative.MAX_DRAFT_TOKENS
 WEIGHT_DTYPES = ("dense", "fp8")
 KV_TRANSFERS = ("auto", "nixl", "cuda_ipc", "grpc")  # ref_server.services.kv_transfer.METHODS
 PRESET_NAMES = (
@@ -102,6 +104,15 @@ class ServeConfig:
         "auto",
         "queue each engine step on the device before the previous step's tokens are read, so "
         "the host's part of a step runs beside the device's (on: one rank, no EPLB; auto: off)",
+    )
+    speculative: str = _setting(
+        "off",
+        "speculative decoding: mtp drafts tokens with the model's MTP module (a checkpoint's, or "
+        "a preset's random one) and verifies them in one step (one rank, no EPLB, steps not "
+        "overlapped)",
+    )
+    draft_tokens: int = _setting(
+        1, f"tokens the MTP module drafts a step with --speculative mtp (1-{MAX_DRAFT_TOKENS})"
     )
     redundant_experts: int = _setting(
         0,
@@ -249,6 +260,7 @@ class ServeConfig:
             )
         if self.overlap_steps == "on" and (self.ranks > 1 or self.eplb_interval):
             problems.append("overlap_steps on needs instances of one rank without EPLB")
+        problems += self._speculative_problems()
         if not DEVICE.fullmatch(self.device):
             problems.append(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("port", "http_port"):
@@ -289,6 +301,22 @@ class ServeConfig:
             problems.append("TLS needs both tls_cert and tls_key")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _speculative_problems(self) -> list[str]:
+        if self.speculative not in SPECULATIVE:
+            return [
+                f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}"
+            ]
+        if not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            return [f"draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}"]
+        if self.speculative == "off":
+            return []
+        problems = []
+        if self.ranks > 1 or self.eplb_interval or self.redundant_experts:
+            problems.append("speculative mtp needs instances of one rank without EPLB")
+        if self.overlap_steps == "on":
+            problems.append("speculative mtp does not overlap steps (overlap_steps on)")
+        return problems
 
     @property
     def model_name(self) -> str:

@@ -180,6 +180,8 @@ class EngineLoop:
             held=len(scheduler.held) + len(scheduler.reserved),
             expert_rebalances=balancer.rebalances if balancer else 0,
             expert_bytes_moved=moved.copied + moved.sent if moved else 0,
+            draft_acceptance_rate=engine.speculative_stats.acceptance_rate,
+            accepted_length=engine.speculative_stats.accepted_length,
         )
 
     def _run(self) -> None:
@@ -275,7 +277,8 @@ class EngineLoop:
                 self.leases[seq.request_id] = now + self.hold_seconds
             if sink is None:
                 continue
-            sink(("token", seq.tokens[-1]))
+            for token in seq.tokens[-seq.num_new :]:  # several after a speculative step
+                sink(("token", token))
             if seq.status is Status.FINISHED:
                 self._end(seq.request_id, ("done", seq.finish_reason))
 

@@ -161,8 +161,8 @@ class KvPuller:
         self.runner = runner
         self.secret = secret
         self.method = method
-        args = runner.model.args
-        self.page_shape = (args.num_hidden_layers, runner.cache.page_size, args.cache_width)
+        cache = runner.cache  # its layers: the model's, and the MTP module's if it has one
+        self.page_shape = (len(cache.layers), cache.page_size, runner.model.args.cache_width)
         self.peers: dict[str, grpc.aio.Channel] = {}
         self.pulling: Counter[grpc.aio.Channel] = Counter()  # pulls under way on each channel
         self.mapped: dict[str, tuple[str, list[torch.Tensor]] | None] = {}  # None: not shareable

@@ -91,6 +91,20 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.draft_acceptance_rate = Gauge(
+            "ref_server_worker_draft_acceptance_rate",
+            "share of the MTP module's draft tokens the worker accepted since it started "
+            "(--speculative mtp)",
+            ["worker"],
+            registry=r,
+        )
+        self.accepted_length = Gauge(
+            "ref_server_worker_accepted_length",
+            "tokens a sequence got from a step that verified its drafts, on average since the "
+            "worker started (--speculative mtp)",
+            ["worker"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "ref_server_worker_healthy",
             "1 if the router routes to the worker",
@@ -130,6 +144,8 @@ class Metrics:
             self.kv_usage.labels(w.name).set(w.load.kv_usage)
             self.expert_rebalances.labels(w.name).set(w.load.expert_rebalances)
             self.expert_bytes_moved.labels(w.name).set(w.load.expert_bytes_moved)
+            self.draft_acceptance_rate.labels(w.name).set(w.load.draft_acceptance_rate)
+            self.accepted_length.labels(w.name).set(w.load.accepted_length)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -30,7 +30,7 @@ import ref_server.model as M
 from overlap_sched.gating import Thresholds
 from ref_server.balance import PrefillPolicy, read_placement
 from ref_server.engine import Engine, EplbConfig, SchedulerConfig
-from ref_server.model.checkpoint import read_config
+from ref_server.model.checkpoint import read_config, without_absent_mtp
 from ref_server.services.aio import background
 from ref_server.services.config import ServeConfig
 from ref_server.services.engine_loop import EngineLoop
@@ -66,18 +66,25 @@ REQUEST_SLACK_BYTES = 64 << 10
 
 
 def model_args(config: ServeConfig) -> M.ModelArgs:
-    args = read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
+    if config.model:  # its MTP module only with its weights, as `load_model` loads it
+        args = without_absent_mtp(read_config(Path(config.model)), Path(config.model))
+    else:  # as `load_model` builds it: with the MTP module when it speculates
+        mtp = int(config.speculative == "mtp")
+        args = dataclasses.replace(M.PRESETS[config.preset], num_nextn_predict_layers=mtp)
     if args.is_sparse:
         raise ValueError(
             "DeepSeek-V3.2 models (index_topk) do not serve yet: the instances would not move "
             "the indexer's keys with the KV pages; ref_server.model runs them in one process"
         )
+    if config.speculative == "mtp" and not args.num_nextn_predict_layers:
+        raise ValueError(f"--speculative mtp: {config.model} has no MTP module")
     return args
 
 
 def model_fingerprint(config: ServeConfig) -> str:
     """Equal for two configs exactly when they load the same weights (a checkpoint's config
-    and weight files, or a preset and its seed, and the weights' dtype)."""
+    and weight files, or a preset, its seed and whether it has the MTP module, and the
+    weights' dtype)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(config.weight_dtype.encode())
     if config.model:
@@ -86,7 +93,7 @@ def model_fingerprint(config: ServeConfig) -> str:
         for file in sorted(path.glob("*.safetensors")):
             digest.update(f"{file.name} {file.stat().st_size}".encode())
     else:
-        digest.update(f"{config.preset} {config.seed} {M.PRESETS[config.preset]!r}".encode())
+        digest.update(f"{config.preset} {config.seed} {model_args(config)!r}".encode())
     return digest.hexdigest()
 
 
@@ -145,7 +152,8 @@ def load_model(
     weights |= expert_slots(config, model_args(config)) if slots is None else slots
     if config.model:
         return M.from_pretrained(config.model, **weights)
-    return M.from_preset(config.preset, seed=config.seed, **weights)
+    mtp = config.speculative == "mtp"
+    return M.from_preset(config.preset, seed=config.seed, mtp=mtp, **weights)
 
 
 def expert_slots(config: ServeConfig, args: M.ModelArgs) -> dict:
@@ -416,5 +424,6 @@ def serve(config: ServeConfig) -> None:
         eplb=eplb(config),
         prefill_graph_tokens=config.prefill_graph_tokens,
         overlap_steps=config.overlap_steps,
+        draft_tokens=config.draft_tokens if config.speculative == "mtp" else 0,
     )
     asyncio.run(run_instance(config, secret, engine, group))
