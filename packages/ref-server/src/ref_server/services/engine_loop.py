@@ -277,7 +277,7 @@ class EngineLoop:
                 self.leases[seq.request_id] = now + self.hold_seconds
             if sink is None:
                 continue
-            for token in seq.tokens[-seq.num_new :]:  # several after a speculative step
+            for token in seq.tokens[len(seq.tokens) - seq.num_new :]:  # several: speculative
                 sink(("token", token))
             if seq.status is Status.FINISHED:
                 self._end(seq.request_id, ("done", seq.finish_reason))
