@@ -131,3 +131,7 @@ def test_hook_protocol_and_fixed_layout():
 
 def test_bad_arguments_raise_on_every_rank():
     run_ranks(3, SCENARIOS, "rejected_everywhere", limit=120)
+
+
+def test_an_allocation_failure_on_one_rank_raises_on_every_rank():
+    run_ranks(2, SCENARIOS, "allocation_fails", limit=120)

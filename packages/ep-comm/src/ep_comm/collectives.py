@@ -78,6 +78,18 @@ class Collectives:
                 listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
                 raise ValueError(f"{step}: ranks disagree on {key} ({listing})")
 
+    def allocated(self, step: str, allocate, *args, **kwargs) -> tuple:
+        """(allocate's result, None), or (None, a failure for `agree`) if it ran out of memory.
+        A call's outputs are allocated before the ranks agree on it, so that a rank that cannot
+        hold them fails that agreement on every rank instead of leaving its peers mid-call."""
+        try:
+            return allocate(*args, **kwargs), None
+        except torch.OutOfMemoryError as error:
+            return None, (
+                f"ep_comm rank {self.rank}/{self.size}: {step} could not allocate its outputs "
+                f"({error}); nothing was sent"
+            )
+
     def all_gather(
         self, step: str, tensor: torch.Tensor, timeout: timedelta | None = None
     ) -> torch.Tensor:
