@@ -246,6 +246,18 @@ def absent_peer(rank: int, world: int, group) -> None:
     assert time.monotonic() - start < 6
 
 
+def late_from_the_device(rank: int, world: int, group) -> None:
+    """Rank 1 reaches raise_if_failed 1.5 timeouts after rank 0 (its kernels waited on a peer
+    for a whole timeout, say): the host waits for it, and neither raises."""
+    timeout = 2
+    buffer = Buffer(group, timeout=timedelta(seconds=timeout))
+    if rank == 1:
+        time.sleep(1.5 * timeout)
+    start = time.monotonic()
+    buffer.raise_if_failed()
+    assert rank == 1 or time.monotonic() - start > timeout
+
+
 def async_paths(rank: int, world: int, group, backend: str) -> None:
     """async_finish, previous_event and allocate_on_comm_stream give what the plain call gives."""
     p = make_problem(world, seed=11)

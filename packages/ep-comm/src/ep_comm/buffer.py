@@ -68,7 +68,8 @@ class Buffer:
         process, peer access between different GPUs); otherwise "torch", with a warning saying
         why (`Buffer.why_not_cuda`).
     timeout: how long a rank waits for the others in any step (host or GPU) before raising
-        `EPCommError`.
+        `EPCommError`; host steps that follow kernels which may have waited on peers
+        (`raise_if_failed`, `reset`, a dispatch's counts) wait 2 x timeout + 5 s.
 
     Failures: a call that synchronizes with the host raises `EPCommError` on every rank. One
     that cannot (a CUDA-graph replay, `async_finish`, a combine) poisons its outputs instead:
@@ -234,8 +235,10 @@ class Buffer:
 
     def raise_if_failed(self) -> None:
         """Raise EPCommError on every rank if any rank's buffer failed in a call that could not
-        raise (graph replays, async calls, the last call of a step). Collective."""
-        self._comm.agree("Buffer.raise_if_failed", {}, None, self.failure())
+        raise (graph replays, async calls, the last call of a step). Collective; waits for the
+        others as long as their kernels may wait on peers (`Collectives.device_timeout`)."""
+        comm = self._comm
+        comm.agree("Buffer.raise_if_failed", {}, None, self.failure(), comm.device_timeout)
 
     def _device_problem(self, x) -> str | None:
         if not isinstance(x, torch.Tensor):

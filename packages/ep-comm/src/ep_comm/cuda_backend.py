@@ -98,7 +98,7 @@ class CudaExchange(Exchange):
         (it is freed with the process)."""
         self.state.close_peers()  # after this rank's kernels, which give up within a timeout
         step = "Buffer.destroy(): wait until every rank unmapped"
-        self.comm.all_gather(step, torch.zeros(1), timeout=2 * self.comm.timeout)
+        self.comm.all_gather(step, torch.zeros(1), timeout=self.comm.device_timeout)
         self.state.free_buffer()
 
     def failure(self) -> str | None:
@@ -222,7 +222,7 @@ class CudaExchange(Exchange):
                 self._host_failure = f"{failure}; rebuild the buffer (Buffer.reset() on every rank)"
             # No rank launches the dispatch kernel unless every rank's notify worked (else its
             # counts are garbage) and every rank has room for its rows: all raise here.
-            self.comm.agree("dispatch: notify", {}, None, self.failure())
+            self.comm.agree("dispatch: notify", {}, None, self.failure(), self.comm.device_timeout)
         counts = (rank_counts, channel_counts, expert_counts)
         self._exchange(sources, received, inp.is_token_in_rank, channel_counts, config, *counts)
         out = DispatchOutput.from_rows(received[0], inp, self.rank, size)

@@ -330,7 +330,8 @@ class NvshmemLowLatency:
             )
 
     def _barrier(self, step: str) -> None:
-        self.comm.all_gather(step, torch.zeros(1, dtype=torch.int32))
+        """After this rank's kernels: they may have waited on peers for a timeout."""
+        self.comm.all_gather(step, torch.zeros(1, dtype=torch.int32), self.comm.device_timeout)
 
     def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         """Collective: forget every signal, ack and failure (no kernel may be in flight)."""
