@@ -356,6 +356,32 @@ def overflow_on_gpu(rank: int, world: int, group) -> None:
     assert int(buffer.error_flag) == 0
 
 
+def overflow_returns_nan_rows(rank: int, world: int, group) -> None:
+    """With EP_COMM_OVERFLOW_RETURNS_ROWS=1, rank 0 alone overflows num_worst_tokens: the
+    combine after it ends on every rank well within the timeout, its tokens' sums NaN where
+    rank 0 took part (all of rank 0's), the others right; then every rank raises."""
+    p = make_problem(world, seed=31)
+    received = [len(expected_receive(p, r, world)[0]) for r in range(world)]
+    worst = max(received[1:])
+    assert received[0] > worst
+    timeout = 20
+    buffer = make_buffer(group, world, "cuda", timeout=timeout)
+    x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
+    start = time.monotonic()
+    _, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts, worst)
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < timeout / 2
+    combined = combined.cpu()
+    via_rank_0 = (p.topk_idx[rank] >= 0) & (p.topk_idx[rank] // (p.num_experts // world) == 0)
+    poisoned = via_rank_0.any(dim=1) if rank else torch.ones(len(combined), dtype=torch.bool)
+    assert combined[poisoned].isnan().all(dim=1).all()
+    want = _sums_of_copies(p, rank, world)
+    assert torch.equal(combined[~poisoned], want[~poisoned])
+    match = rf"rank 0/{world}: an earlier dispatch received {received[0]} rows"
+    with pytest.raises(EPCommError, match=match):
+        buffer.raise_if_failed()
+
+
 def _dispatch_and_combine(buffer, x, topk_idx, num_experts: int, num_worst_tokens: int = 0):
     """One dispatch of CUDA x and topk_idx, the identity as experts, one combine: (received
     rows, combined)."""

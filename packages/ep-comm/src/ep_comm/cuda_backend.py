@@ -16,6 +16,7 @@ the buffer is rebuilt. csrc/layout.h describes the buffer.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -29,6 +30,10 @@ from ep_comm.handle import DispatchHandle
 from ep_comm.layout import aligned
 
 MAX_RANKS = 8
+# The handle keeps a dispatch's real channel counts even after an overflow, so that the
+# overflowed rank's combine returns NaN rows to every peer instead of none, which left each
+# peer waiting out the timeout. Off until it has run on a GPU (NOTES.md).
+_OVERFLOW_RETURNS_ROWS = os.environ.get("EP_COMM_OVERFLOW_RETURNS_ROWS", "0") == "1"
 NOTIFY_SLOTS = 1024
 STEPS = {
     1: "the barrier starting a call",
@@ -223,8 +228,24 @@ class CudaExchange(Exchange):
             # No rank launches the dispatch kernel unless every rank's notify worked (else its
             # counts are garbage) and every rank has room for its rows: all raise here.
             self.comm.agree("dispatch: notify", {}, None, self.failure(), self.comm.device_timeout)
-        counts = (rank_counts, channel_counts, expert_counts)
-        self._exchange(sources, received, inp.is_token_in_rank, channel_counts, config, *counts)
+        # The poison kernel overwrites the counts after a failure; with _OVERFLOW_RETURNS_ROWS,
+        # their total instead of the channel counts, which the handle keeps for combine.
+        total = None
+        if worst and _OVERFLOW_RETURNS_ROWS:
+            total = channel_counts.sum(dtype=torch.int32).reshape(1)
+        poisoned = total if _OVERFLOW_RETURNS_ROWS else channel_counts
+        self._exchange(
+            sources,
+            received,
+            inp.is_token_in_rank,
+            channel_counts,
+            config,
+            rank_counts,
+            expert_counts,
+            poisoned,
+        )
+        if worst and total is None:
+            total = channel_counts.sum(dtype=torch.int32).reshape(1)
         out = DispatchOutput.from_rows(received[0], inp, self.rank, size)
         out.num_recv_tokens_per_expert = (
             [] if worst else [aligned(c, inp.expert_alignment) for c in expert_counts.tolist()]
@@ -234,9 +255,7 @@ class CudaExchange(Exchange):
             recv_src_idx=received[1],
             is_token_in_rank=inp.is_token_in_rank,
             num_experts=inp.num_experts,
-            actual_num_recv_tokens=(
-                channel_counts.sum(dtype=torch.int32).reshape(1) if worst else None
-            ),
+            actual_num_recv_tokens=total,
             backend_layout=CudaLayout(channel_counts),
         )
         return out
