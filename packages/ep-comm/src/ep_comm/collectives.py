@@ -92,15 +92,16 @@ class Collectives:
                 raise ValueError(f"{step}: ranks disagree on {key} ({listing})")
 
     def allocated(self, step: str, allocate, *args, **kwargs) -> tuple:
-        """(allocate's result, None), or (None, a failure for `agree`) if it ran out of memory.
-        A call's outputs are allocated before the ranks agree on it, so that a rank that cannot
-        hold them fails that agreement on every rank instead of leaving its peers mid-call."""
+        """(allocate's result, None), or (None, a failure for `agree`) if it failed (out of
+        memory: torch.OutOfMemoryError on a GPU, RuntimeError on the CPU). A call's outputs are
+        allocated before the ranks agree on it, so that a rank that cannot hold them fails that
+        agreement on every rank instead of leaving its peers mid-call."""
         try:
             return allocate(*args, **kwargs), None
-        except torch.OutOfMemoryError as error:
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
             return None, (
                 f"ep_comm rank {self.rank}/{self.size}: {step} could not allocate its outputs "
-                f"({error}); nothing was sent"
+                f"({type(error).__name__}: {error}); nothing was sent"
             )
 
     def all_gather(
