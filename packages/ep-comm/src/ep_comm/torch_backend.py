@@ -92,14 +92,15 @@ class TorchExchange(Exchange):
         return None
 
     def combine_outputs(self, x, handle: DispatchHandle, topk_weights):
-        """The fp32 sums, of x's rows and of the weights."""
+        """combined_x, the fp32 sums it is rounded from, and the weights' sums."""
         num_tokens = handle.is_token_in_rank.shape[0]
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        combined_x = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+        sums = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
         combined_weights = None
         if topk_weights is not None:
             shape = (num_tokens, topk_weights.shape[1])
             combined_weights = torch.zeros(shape, dtype=torch.float32, device=x.device)
-        return out, combined_weights
+        return combined_x, sums, combined_weights
 
     def dispatch(self, inp: DispatchInput, config: Config, outputs) -> DispatchOutput:
         del config  # the cuda backend's knobs
@@ -163,7 +164,7 @@ class TorchExchange(Exchange):
         # the way back: what each rank received from us is what it now sends us
         step = "combine: return tokens"
         returned = _unpack(self.comm.all_to_all(step, _pack(pieces), counts.t()), pieces)
-        out, combined_weights = outputs
+        combined_x, out, combined_weights = outputs
         for b in biases:
             out += b.float()
         # One destination rank at a time, in rank order: within one, a token appears once, so
@@ -174,4 +175,4 @@ class TorchExchange(Exchange):
             out.index_add_(0, token, returned[0][begin:end].float())
             if combined_weights is not None:
                 combined_weights.index_add_(0, token, returned[1][begin:end])
-        return out.to(x.dtype), combined_weights
+        return combined_x.copy_(out), combined_weights
