@@ -9,10 +9,10 @@ import torch
 
 import ref_server.model as M
 import ref_server.model.speculative as S
-from ref_server.engine import Engine, FinishReason, SchedulerConfig
+from ref_server.engine import Engine, FinishReason, Scheduler, SchedulerConfig, Sequence
 from ref_server.model import SamplingParams
 
-BLOCK = 16
+BLOCK = 16  # the smallest page the cache takes: runs and rollbacks cross pages
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,22 @@ def run(engine: Engine, prompts, params: SamplingParams):
             assert len(seq.block_table) <= -(-(len(seq) + len(seq.drafts)) // BLOCK)
     assert engine.scheduler.blocks.num_free == free
     return seqs
+
+
+def test_draft_room_takes_pages_for_drafts_and_gives_back_those_of_rejected_ones():
+    scheduler = Scheduler(SchedulerConfig(num_blocks=5, block_size=4, max_model_len=20))
+    seq = Sequence(list(range(7)), SamplingParams(max_tokens=6))
+    scheduler.blocks.allocate(seq)  # 7 tokens: 2 pages
+    assert scheduler.draft_room(seq, 3) == 3 and len(seq.block_table) == 3  # 10 tokens
+    seq.tokens.append(9)  # a round kept no draft: 8 tokens
+    assert scheduler.draft_room(seq, 0) == 0 and len(seq.block_table) == 2
+    assert scheduler.blocks.num_free == 3
+    seq.tokens += [9, 9, 9]  # 11 tokens, 4 generated: max_tokens leaves room for one draft
+    assert scheduler.draft_room(seq, 3) == 1 and len(seq.block_table) == 3
+    other = Sequence(list(range(8)), SamplingParams(max_tokens=9))
+    scheduler.blocks.allocate(other)  # the last 2 free pages
+    assert scheduler.draft_room(other, 3) == 0 and len(other.block_table) == 2
+    assert scheduler.blocks.num_free == 0
 
 
 def prompts_of(seed: int, lengths=(5, 40, 70)) -> list[list[int]]:

@@ -269,20 +269,21 @@ class Scheduler:
 
     def accepted(self, step: Step, results: list[list[int] | None]) -> list[Sequence]:
         """After a speculative step: results, each sequence's accepted drafts and the token
-        after them (None for chunks that end inside a prompt). Each keeps the KV of its chunk
-        but its rejected drafts' (their pages go back with `draft_room`) and takes the tokens
-        as `received` does. Returns the sequences that got tokens."""
+        after them (None for chunks that end inside a prompt). Each takes the tokens as
+        `received` does and keeps the KV of its chunk but its rejected drafts' (rows past its
+        tokens, written over later; their pages go back with `draft_room`). Returns the
+        sequences that got tokens."""
         updated = []
         for seq, chunk, tokens in zip(step.seqs, step.chunks, results, strict=True):
-            rejected = 0 if tokens is None else len(seq.drafts) + 1 - len(tokens)
             seq.drafts, seq.draft_probs = [], []
-            seq.num_computed += chunk - rejected
             if tokens is None:
+                seq.num_computed += chunk
                 self.blocks.register_computed(seq)
                 continue
             reason = self._take(seq, tokens)
-            # one that finished inside the run keeps no KV past its last token
-            seq.num_computed = min(seq.num_computed, len(seq) - 1)
+            # the step computed the accepted drafts' KV (and the rejected ones', past them): all
+            # but the newest token's, also when a token inside the run ended the sequence
+            seq.num_computed = len(seq) - 1
             self.blocks.register_computed(seq)
             if reason:
                 self.finish(seq, reason)
