@@ -98,17 +98,22 @@ def test_stops_and_max_tokens_end_accepted_runs_exactly(model):
         seqs = run(engine, prompts, SamplingParams(max_tokens=max_tokens))
         assert [len(seq.completion) for seq in seqs] == [max_tokens] * 2
         assert {seq.finish_reason for seq in seqs} == {FinishReason.LENGTH}
-    # a stop token inside a run of four (the second or third of a round): the text up to it
-    for at in (6, 11):
+    # a stop id or eos inside a run of four (the second or third of a round, a round's first
+    # token being at 1, 5, 9, ...): the text up to it, which the last step gave in part
+    for at, eos in ((6, False), (11, False), (11, True)):
         stop = full[0][at]
         engine = Engine(model, config(), draft_tokens=3, forced_acceptance=1.0)
-        params = SamplingParams(max_tokens=24, stop_token_ids=[stop])
+        if eos:
+            engine.eos_ids = frozenset({stop})
+        params = SamplingParams(max_tokens=24, stop_token_ids=[] if eos else [stop])
         got = run(engine, prompts, params)
         for seq, text in zip(got, full, strict=True):
-            end = text.index(stop) + 1 if stop in text else len(text)
-            assert seq.completion == text[:end]
-            assert seq.finish_reason is (FinishReason.STOP if stop in text else FinishReason.LENGTH)
-            assert seq.num_new >= 1
+            if stop not in text:
+                assert (seq.completion, seq.finish_reason) == (text, FinishReason.LENGTH)
+                continue
+            end = text.index(stop)
+            assert (seq.completion, seq.finish_reason) == (text[: end + 1], FinishReason.STOP)
+            assert seq.num_new == (end - 1) % 4 + 1 if end else 1
 
 
 def test_the_engine_refuses_what_it_cannot_speculate_with(model):

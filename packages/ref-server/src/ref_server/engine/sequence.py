@@ -41,10 +41,10 @@ class Sequence:
     cache_salt: bytes = b""  # seeds the page hashes: prefix-cache hits only within one salt
     pending: bool = False  # one more token, sampled on the device, not read back yet (`__len__`)
     num_new: int = 0  # tokens the latest step gave it: 1, or up to k + 1 when speculating
-    drafts: list[int] = field(default_factory=list)  # the MTP module's, for the next step to verify
-    draft_probs: list = field(
-        default_factory=list
-    )  # the q each draft was drawn from (None: greedy)
+    # speculative decoding: the MTP module's drafts, which the next step verifies, and the q
+    # each was drawn from (None: greedy)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt:
