@@ -107,7 +107,9 @@ def indexer_topk(q, weights, index_keys, block_table, positions, topk: int) -> t
     keys, its scales in weights) and weights `[n, heads]` float32 (`Indexer.cache_step`'s) over
     `index_keys` (`cache.IndexKeys`), the query's sequence's pages block_table `[n, max_blocks]`
     int32 and its position `[n]` int64: slots `[n, topk]` int64 (block * page + offset), best
-    first, -1 past a query's position + 1 tokens."""
+    first, -1 past a query's position + 1 tokens. Among equal scores the earlier token comes
+    first: scores tie exactly where ReLU zeroes every head, and the picks must not depend on how
+    wide the block table is (a server's and `generate`'s differ), as torch.topk's would."""
     page = index_keys.page_size
     length = block_table.shape[1] * page
     candidates = torch.arange(length, device=q.device)
@@ -118,8 +120,9 @@ def indexer_topk(q, weights, index_keys, block_table, positions, topk: int) -> t
         keys = index_keys.rows(slots)  # [rows, length, width]
         scores = index_scores(q[part, None], weights[part, None], keys).squeeze(-2)
         scores = scores.masked_fill(candidates > positions[part, None], -math.inf)
-        best = scores.topk(min(topk, length))
-        chosen.append(slots.gather(1, best.indices).masked_fill(best.values == -math.inf, -1))
+        values, order = scores.sort(descending=True, stable=True)
+        values, order = values[:, :topk], order[:, :topk]
+        chosen.append(slots.gather(1, order).masked_fill(values == -math.inf, -1))
     return F.pad(torch.cat(chosen), (0, max(topk - length, 0)), value=-1)
 
 
