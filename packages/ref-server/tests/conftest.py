@@ -274,11 +274,24 @@ def serving():
 
 
 @pytest.fixture(scope="session")
-def tiny_deployment():
-    """One `--role all` deployment of the tiny preset that the serving tests share."""
-    running = Deployment(tiny_config(), startup_timeout=120)
-    yield running
-    running.stop()
+def deployment_of():
+    """deployment_of(preset): one `--role all` deployment of that preset (`tiny_config`'s
+    settings), started on first use and shared by the serving tests."""
+    running: dict[str, Deployment] = {}
+
+    def get(preset: str) -> Deployment:
+        if preset not in running:
+            running[preset] = Deployment(tiny_config(preset=preset), startup_timeout=120)
+        return running[preset]
+
+    yield get
+    for deployment in running.values():
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_deployment(deployment_of):
+    return deployment_of("tiny")
 
 
 @pytest.fixture

@@ -14,11 +14,13 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ref_server.model as M
 from ref_server.balance import write_placement
 from ref_server.client import Client, request
+from ref_server.engine import Engine, SchedulerConfig
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
 from ref_server.services.metrics import Metrics
 from ref_server.services.router import Finished, Router
@@ -29,6 +31,7 @@ from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
 SEED = 4
+SERVED_PRESETS = ["tiny", "v3.2-tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +45,43 @@ def reference():
     return M.from_preset("tiny", seed=SEED)
 
 
-def test_greedy_output_equals_one_process_generation(client, reference):
+@pytest.mark.parametrize("preset", SERVED_PRESETS)
+def test_greedy_output_equals_one_process_generation(deployment_of, preset):
+    """Prefill and decode in two instances, the KV pages streamed between them (V3.2's with the
+    indexer's keys): the tokens of one process, and of one engine (prefill and decode in one
+    instance, pages of the deployment's size)."""
+    reference = M.from_preset(preset, seed=SEED)
+    config = deployment_of(preset).config
+    pages = SchedulerConfig(num_blocks=96, block_size=config.block_size, max_model_len=512)
+    engine = Engine(reference, pages)
     prompts = [[5, 6, 7], list(range(2, 60)), [9] * 17, list(range(100, 230))]
-    for prompt, max_tokens in zip(prompts, (1, 5, 16, 30), strict=True):
-        want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-        got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=60)
-        assert got.token_ids == want
-        assert got.usage.prompt_tokens == len(prompt)
-        assert got.usage.completion_tokens == len(want)
-        assert got.finish_reason == ("length" if len(want) == max_tokens else "stop")
+    with Client(deployment_of(preset).address) as client:
+        for prompt, max_tokens in zip(prompts, (1, 5, 16, 30), strict=True):
+            params = M.SamplingParams(max_tokens=max_tokens)
+            want = reference.generate([prompt], params)[0]
+            assert engine.generate([prompt], params)[0] == want
+            got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=60)
+            assert got.token_ids == want
+            assert got.usage.prompt_tokens == len(prompt)
+            assert got.usage.completion_tokens == len(want)
+            assert got.finish_reason == ("length" if len(want) == max_tokens else "stop")
+
+
+def test_a_v32_checkpoint_serves_what_it_generates_in_one_process(checkpoints, tmp_path, serving):
+    """`--model DIR` of a DeepSeek-V3.2 checkpoint in transformers' layout, its indexer picking 8
+    tokens: the deployment's greedy tokens are those of the checkpoint in one process."""
+    checkpoints.write(tmp_path, seed=1, v32=True)
+    reference = M.from_pretrained(tmp_path, dtype=torch.float32)  # as an instance on the CPU
+    assert reference.args.is_sparse
+    running = Deployment(serving.config(model=str(tmp_path)), startup_timeout=120)
+    try:
+        with Client(running.address) as client:
+            for prompt in ([5, 6, 7], list(range(2, 60)), list(range(100, 230))):
+                want = reference.generate([prompt], M.SamplingParams(max_tokens=12))[0]
+                got = client.generate(prompt, temperature=0, max_tokens=12, timeout=60)
+                assert got.token_ids == want
+    finally:
+        running.stop()
 
 
 def test_a_request_without_a_deadline_succeeds(client, tiny_deployment, reference):
@@ -197,10 +228,15 @@ def test_aborts_right_after_the_first_chunk_leave_nothing_running(tiny_deploymen
     serving.wait_idle(client, timeout=30)
 
 
-def test_a_repeated_prefix_is_reported_and_skipped(client, reference):
+@pytest.mark.parametrize("preset", SERVED_PRESETS)
+def test_a_repeated_prefix_is_reported_and_skipped(deployment_of, preset):
+    """The second prompt's first four pages come from the instances' prefix caches (V3.2's
+    index keys with them), its tokens still one process's."""
+    reference = M.from_preset(preset, seed=SEED)
     prefix = list(range(300, 364))  # four 16-token pages
-    first = client.generate([*prefix, 7], temperature=0, max_tokens=4, timeout=60)
-    second = client.generate([*prefix, 8, 9], temperature=0, max_tokens=4, timeout=60)
+    with Client(deployment_of(preset).address) as client:
+        first = client.generate([*prefix, 7], temperature=0, max_tokens=4, timeout=60)
+        second = client.generate([*prefix, 8, 9], temperature=0, max_tokens=4, timeout=60)
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 64
     want = reference.generate([[*prefix, 8, 9]], M.SamplingParams(max_tokens=4))[0]

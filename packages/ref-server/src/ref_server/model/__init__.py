@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ref_server.model.args import PRESETS, ModelArgs
-from ref_server.model.cache import PagedKVCache
+from ref_server.model.cache import PagedKVCache, cache_bytes_per_token
 from ref_server.model.checkpoint import CheckpointError, init_random, load_weights, read_config
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
@@ -188,6 +188,7 @@ __all__ = [
     "PrefillGraphs",
     "SamplingParams",
     "StepBatch",
+    "cache_bytes_per_token",
     "from_preset",
     "from_pretrained",
 ]

@@ -66,13 +66,7 @@ REQUEST_SLACK_BYTES = 64 << 10
 
 
 def model_args(config: ServeConfig) -> M.ModelArgs:
-    args = read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
-    if args.is_sparse:
-        raise ValueError(
-            "DeepSeek-V3.2 models (index_topk) do not serve yet: the instances would not move "
-            "the indexer's keys with the KV pages; ref_server.model runs them in one process"
-        )
-    return args
+    return read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
 
 
 def model_fingerprint(config: ServeConfig) -> str:
@@ -191,7 +185,7 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
         num_parameters=args.num_parameters(),
         eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
         page_size=config.block_size,
-        page_bytes=args.num_hidden_layers * config.block_size * args.cache_width * 2,
+        page_bytes=config.block_size * M.cache_bytes_per_token(args),
     )
     return facts, tokenizer
 
