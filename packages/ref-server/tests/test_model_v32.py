@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ref_server.model as M
+from overlap_sched.executor import OpFailed
 from ref_server.model import StepBatch, attention, indexer
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
@@ -103,10 +104,9 @@ def test_chosen_tokens_match_transformers_in_prefill_and_decode(checkpoints, tmp
 
 def test_a_top_k_of_every_token_is_dense_attention(monkeypatch):
     """V3.2's tiny preset with a top-k past every sequence's length against the tiny preset:
-    the same weights (drawn by name from the seed), the indexer's aside. The torch paths take
-    7 queries at a time, so the prefill's 33 span several such parts."""
+    the same weights (drawn by name from the seed), the indexer's aside. The indexer's torch
+    selection takes 7 queries at a time, so the prefill's 33 span several such parts."""
     monkeypatch.setattr(indexer, "QUERY_ROWS_AT_ONCE", 7)
-    monkeypatch.setattr(attention, "QUERY_ROWS_AT_ONCE", 7)
     sparse = M.from_args(dataclasses.replace(M.PRESETS["v3.2-tiny"], index_topk=64), seed=5)
     dense = M.from_preset("tiny", seed=5)
     ids = torch.randint(2, 500, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -163,6 +163,27 @@ def test_tied_scores_pick_the_earlier_tokens_whatever_the_block_table_s_width():
         table = torch.arange(width, dtype=torch.int32)[None]
         slots = indexer.indexer_topk(q, weights, keys, table, torch.tensor([n - 1]), topk)
         assert slots[0].tolist() == want, width
+
+
+def test_sparse_attention_runs_through_mla_kernels_backend_switch(monkeypatch):
+    """A cached step's sparse attention is mla_kernels' sparse MLA operator, in prefill and in
+    decode: its backend switch is read (a bad value is named), and its torch reference gives
+    the logits (recorded: one call per layer and step)."""
+    from mla_kernels import reference
+
+    model = M.from_preset("v3.2-tiny", seed=8)
+    calls = []
+    attend = reference.sparse_attention
+    monkeypatch.setattr(
+        reference, "sparse_attention", lambda q, *rest: calls.append(q.shape) or attend(q, *rest)
+    )
+    tokens = torch.randint(2, 500, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    model.generate([tokens], M.SamplingParams(max_tokens=2))
+    heads, layers = model.args.num_attention_heads, model.args.num_hidden_layers
+    assert calls == [(20, heads, 576)] * layers + [(1, heads, 576)] * layers
+    monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "fastest")
+    with pytest.raises(OpFailed, match=r"'L0\.attn\.core' .* MLA_KERNELS_SPARSE_BACKEND='fastest'"):
+        model.generate([tokens], M.SamplingParams(max_tokens=2))
 
 
 def test_fp8_index_keys_score_within_e4m3_rounding_of_exact_ones():

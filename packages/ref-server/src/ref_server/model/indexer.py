@@ -35,8 +35,8 @@ from ref_server.kernels.fp8_cast import quantize_activations
 from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 
-# The plain-torch paths gather per query: keys `[rows, context, index_head_dim]` here, latent
-# rows `[rows, topk, 576]` in `attention.sparse_attention`, so many queries at a time.
+# The plain-torch selection gathers keys `[rows, context, index_head_dim]` per query: so many
+# queries at a time.
 QUERY_ROWS_AT_ONCE = 256
 
 
