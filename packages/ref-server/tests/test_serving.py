@@ -481,11 +481,15 @@ def test_instances_of_two_ranks_serve_from_every_rank(reference, serving):
     serving.instances_of_two_ranks(serving.config(ranks=2), reference)
 
 
-def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(reference, serving):
-    """Every step of two tokens or more runs as two overlapped microbatches on both ranks."""
+@pytest.mark.parametrize("preset", SERVED_PRESETS)
+def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(serving, preset):
+    """Every step of two tokens or more runs as two overlapped microbatches on both ranks (for
+    V3.2, a prefill cut inside a sequence reads the index keys its first part wrote)."""
     config = serving.config(
-        ranks=2, two_batch="on", two_batch_decode_tokens=2, two_batch_prefill_tokens=2
-    )
+        preset=preset, ranks=2, two_batch="on", two_batch_decode_tokens=2,
+        two_batch_prefill_tokens=2,
+    )  # fmt: skip
+    reference = M.from_preset(preset, seed=SEED)
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
 
