@@ -174,13 +174,11 @@ def metric(text: str, name: str) -> float:
 
 def served_metrics(address: str, http_port: int, prompts: list[list[int]], preset="tiny") -> str:
     """Each prompt's 8 greedy tokens through the router at address, asserted equal to a
-    one-process model's (the deployments' preset, seed and pages); then the router's metrics
-    text."""
+    one-process model's (the deployments' preset and seed); then the router's metrics text."""
     reference = M.from_preset(preset, seed=4)
     with Client(address) as client:
         for prompt in prompts:
-            params = M.SamplingParams(max_tokens=8)
-            want = reference.generate([prompt], params, page_size=16)[0]
+            want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
             assert (
                 client.generate(prompt, temperature=0, max_tokens=8, timeout=60).token_ids == want
             )
