@@ -186,6 +186,28 @@ def test_sparse_attention_runs_through_mla_kernels_backend_switch(monkeypatch):
         model.generate([tokens], M.SamplingParams(max_tokens=2))
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_sparse_step_has_no_data_dependent_shape_nor_host_read(kind):
+    """A V3.2 step under fake tensors, whose values are unknown: a shape that depends on one,
+    or reading one on the host, raises. That is what lets a CUDA graph capture the decode
+    (`test_model_gpu.py` captures it on the GPU). Every layer dense: the experts' CPU path
+    selects rows by their count (their CUDA path, which graphs capture, does not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = dataclasses.replace(M.PRESETS["v3.2-tiny"], first_k_dense_replace=3)
+    model = M.from_args(args, seed=9, dtype=torch.bfloat16)
+    cache = M.PagedKVCache(args, 8, 16)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    if kind == "decode":
+        batch = StepBatch(torch.tensor([5, 6]), [1, 1], [21, 30], table)
+    else:
+        batch = StepBatch(torch.arange(2, 12), [4, 6], [20, 30], table)
+    metadata = batch.metadata(cache)
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        logits = model.run_step([(batch.input_ids, metadata)], cache, kind, low_latency=False)
+    assert logits.shape == (2, args.vocab_size)
+
+
 def test_fp8_index_keys_score_within_e4m3_rounding_of_exact_ones():
     """FP8 keys and queries (DeepSeek's) against unquantized ones (transformers'): e4m3 moves
     a value x of scale s (amax / 448) by at most 2^-4 |x| + 2^-10 s (3 mantissa bits; half the
