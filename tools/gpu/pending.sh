@@ -30,6 +30,7 @@ declare -A PENDING=(
   [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy"
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
+  [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -59,6 +60,11 @@ ref-model-ab() {
     REF_SERVER_FUSED_SWIGLU=1 $bench --json "$logs/ref-model-ab-swiglu.json" &&
     echo "== --overlap-steps on" &&
     $bench --overlap-steps on --json "$logs/ref-model-ab-overlap.json"
+}
+
+indexer() {
+  python3 -m pytest -q -m gpu packages/ref-server/tests/test_indexer_kernels.py || return 1
+  python3 packages/ref-server/benchmarks/bench_indexer.py --json "$logs/indexer.json"
 }
 
 mla-tests() {
