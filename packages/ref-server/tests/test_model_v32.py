@@ -142,13 +142,15 @@ def test_a_token_outside_the_top_k_has_no_influence(monkeypatch):
     assert model.forward_step(decode, cache).isnan().all()
 
 
-def test_tied_scores_pick_the_earlier_tokens_whatever_the_block_table_s_width():
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_tied_scores_pick_the_earlier_tokens_whatever_the_block_table_s_width(index_dtype):
     """A score is exactly 0 where ReLU zeroes every head: of the tokens tied at the k-th place
     the earliest are picked, with a block table of the sequence's pages or a wider one (a
-    server's and `generate`'s differ), so both give the same tokens."""
+    server's and `generate`'s differ), so both give the same tokens. Unquantized keys scored in
+    torch, FP8 ones by the indexer's kernels."""
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     heads, n, topk = 4, 40, 8
-    keys = M.PagedKVCache(M.PRESETS["v3.2-tiny"], 4, 16, index_dtype=torch.float32).index_keys[0]
+    keys = M.PagedKVCache(M.PRESETS["v3.2-tiny"], 4, 16, index_dtype=index_dtype).index_keys[0]
     k = torch.randn(n, 128, generator=g)
     positive = torch.randperm(n, generator=g)[:5]  # the only tokens that score above 0
     k[:, 0] = -k[:, 0].abs()
@@ -157,11 +159,14 @@ def test_tied_scores_pick_the_earlier_tokens_whatever_the_block_table_s_width():
     q = torch.zeros(1, heads, 128)
     q[0, :, 0] = torch.rand(heads, generator=g) + 0.1
     weights = torch.rand(1, heads, generator=g) + 0.1
+    stored = keys.rows(torch.arange(n))[:, 0]  # as the cache rounded them: equal ones tie too
     zero = [p for p in range(n) if p not in positive.tolist()]
-    want = sorted(positive.tolist(), key=lambda p: -k[p, 0].item()) + zero[: topk - 5]
+    want = sorted(sorted(positive.tolist()), key=lambda p: -stored[p].item()) + zero[: topk - 5]
     for width in (3, 4):  # 48 or 64 candidates for 40 tokens
         table = torch.arange(width, dtype=torch.int32)[None]
-        slots = indexer.indexer_topk(q, weights, keys, table, torch.tensor([n - 1]), topk)
+        slots = indexer.indexer_topk(
+            q.to(index_dtype), weights, keys, table, torch.tensor([n - 1]), topk
+        )
         assert slots[0].tolist() == want, width
 
 
