@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from ref_server.kernels import cutlass_gemm
 from ref_server.kernels.fp8_cast import (
     dequantize_activations,
     dequantize_blocks,
@@ -46,7 +47,6 @@ from ref_server.kernels.fp8_gemm import (
     scaled_mm_takes,
     triton_block_gemm,
 )
-from ref_server.kernels import cutlass_gemm
 
 TARGET, TARGET_M = 1.6, 4096
 LINEAR = {"q_a": (7168, 1536), "q_b": (1536, 24576), "kv_a": (7168, 576)}  # k, n
