@@ -118,3 +118,13 @@ def test_a_stream_that_ends_short_fails_after_the_writes_in_flight_ended(preset)
     assert server.released == 1
     for index in range(PAGES - 1):
         assert torch.equal(engine.runner.read_page(20 + index), server.pages[index]), index
+
+
+def test_a_page_of_another_size_is_refused_before_any_write():
+    cache = M.PagedKVCache(M.PRESETS["v3.2-tiny"], 2, 16)
+    page = torch.randint(0, 256, (cache.page_bytes,), dtype=torch.uint8)
+    cache.write_page(1, page)
+    assert torch.equal(cache.read_page(1), page)
+    with pytest.raises(ValueError, match=rf"a page is \[{cache.page_bytes}\] uint8, got \(1152,\)"):
+        cache.write_page(0, page[:1152])
+    assert not cache.layers[0][0].any()
