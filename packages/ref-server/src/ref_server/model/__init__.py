@@ -12,6 +12,7 @@ See docs/model.md.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -19,12 +20,19 @@ import torch.distributed as dist
 
 from ref_server.model.args import PRESETS, ModelArgs
 from ref_server.model.cache import PagedKVCache, cache_bytes_per_token
-from ref_server.model.checkpoint import CheckpointError, init_random, load_weights, read_config
+from ref_server.model.checkpoint import (
+    CheckpointError,
+    init_random,
+    load_weights,
+    read_config,
+    without_absent_mtp,
+)
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
 from ref_server.model.fp8 import FP8Experts, FP8Linear, use_fp8
 from ref_server.model.generate import generate
 from ref_server.model.kernel_set import KernelSet, resolve
+from ref_server.model.mtp import MTP
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import SamplingParams
 from ref_server.model.step import StepBatch
@@ -82,17 +90,24 @@ def _build(
 
         expert_parallel = ExpertParallel(group, slots, args.hidden_size, deep_ep=chosen.deep_ep)
     with torch.device("meta"):
-        model = Model(args, expert_parallel, num_physical_experts, chosen).to(dtype)
+        model = Model(args, expert_parallel, num_physical_experts, chosen)
+        if args.num_nextn_predict_layers:
+            model.mtp = MTP(args, expert_parallel, num_physical_experts, chosen.decode_attention)
+        model = model.to(dtype)
         if weight_dtype == "fp8":
             use_fp8(model, chosen.fp8_gemm)  # after .to(dtype), which would convert FP8 tensors
     model = model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, (FP8Linear, FP8Experts)):
             module.zero_padding()
-    for i, moe in enumerate(model.moe_layers()):
+    default = default_placement(args.n_routed_experts, slots)
+    layers = model.moe_layers() + ([model.mtp.mlp] if model.mtp else [])
+    for i, moe in enumerate(layers):
         if moe.location is not None:
-            default = default_placement(args.n_routed_experts, slots)
-            moe.location.place(default if placement is None else placement[i])
+            # the MTP module's experts sit as by default: placements are of the model's layers
+            moe.location.place(
+                default if placement is None or i >= len(placement) else placement[i]
+            )
             moe.location.take_load(moe.first_slot)  # zero the counts
     model.eval()
     return model
@@ -127,11 +142,13 @@ def from_args(
     return model
 
 
-def from_preset(name: str, **kwargs) -> Model:
-    """A preset ("tiny", "v2-lite", "v3") with random weights; keywords as `from_args`."""
+def from_preset(name: str, *, mtp: bool = False, **kwargs) -> Model:
+    """A preset ("tiny", "v2-lite", "v3") with random weights; mtp: with DeepSeek-V3's MTP
+    module (`ref_server.model.mtp`) for speculative decoding; keywords as `from_args`."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return from_args(PRESETS[name], **kwargs)
+    args = dataclasses.replace(PRESETS[name], num_nextn_predict_layers=int(mtp))
+    return from_args(args, **kwargs)
 
 
 def from_pretrained(
@@ -163,7 +180,7 @@ def from_pretrained(
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
     model = _build(
-        read_config(path),
+        without_absent_mtp(read_config(path), path),
         dtype,
         device,
         group,

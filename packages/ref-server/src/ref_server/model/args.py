@@ -56,6 +56,9 @@ class ModelArgs:
     index_topk: int | None = None
     index_n_heads: int = 64
     index_head_dim: int = 128
+    # DeepSeek-V3's multi-token-prediction module (0 or 1): one more decoder layer that drafts
+    # the token after next for speculative decoding (`ref_server.model.mtp`)
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -77,6 +80,10 @@ class ModelArgs:
             problems.append("first_k_dense_replace outside 0..num_hidden_layers")
         if self.index_topk is not None:
             problems += self._indexer_problems()
+        if self.num_nextn_predict_layers not in (0, 1):
+            problems.append(
+                f"num_nextn_predict_layers ({self.num_nextn_predict_layers}): 0 or 1 supported"
+            )
         if problems:
             raise ValueError("unsupported model config: " + "; ".join(problems))
 

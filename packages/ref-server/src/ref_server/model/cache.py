@@ -6,7 +6,8 @@ A cache row holds one token of one layer as mla_kernels lays it out: the normali
 manager, or `generate`'s contiguous allocation), given as a block table. A DeepSeek-V3.2
 model's layers also cache their lightning indexer's key of each token (`IndexKeys`), in a
 tensor of their own with the same pages and slots: a page is its block in every tensor that
-`PagedKVCache.page_tensors` lists, and moves between caches as those blocks' bytes.
+`PagedKVCache.page_tensors` lists, and moves between caches as those blocks' bytes. A model
+with an MTP module (`ref_server.model.mtp`) has one more layer here, after its own.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ class IndexKeys:
 def cache_bytes_per_token(
     args: ModelArgs, dtype: torch.dtype = torch.bfloat16, index_dtype: torch.dtype = FP8
 ) -> int:
-    """What one token takes in a `PagedKVCache` of these dtypes, all layers together: its latent
-    row and, in a sparse model, its index key and the key's float32 scale (132 bytes a layer
-    beside the latent's 1,152 at index_head_dim 128 in FP8 and bf16)."""
+    """What one token takes in a `PagedKVCache` of these dtypes, all layers together (the MTP
+    module's too): its latent row and, in a sparse model, its index key and the key's float32
+    scale (132 bytes a layer beside the latent's 1,152 at index_head_dim 128 in FP8 and bf16)."""
     per_layer = args.cache_width * dtype.itemsize
     if args.is_sparse:
         per_layer += args.index_head_dim * index_dtype.itemsize + torch.float32.itemsize
-    return args.num_hidden_layers * per_layer
+    return (args.num_hidden_layers + args.num_nextn_predict_layers) * per_layer
 
 
 class PagedKVCache:
@@ -92,10 +93,9 @@ class PagedKVCache:
         # decode step (`DecodeGraphs`) write and read there.
         self.padding_block = num_blocks
         shape = (num_blocks + 1, page_size, 1, args.cache_width)
-        # [num_blocks + 1, page_size, 1, 576] per layer
-        self.layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
-        ]
+        # [num_blocks + 1, page_size, 1, 576] per layer, the MTP module's last
+        num_layers = args.num_hidden_layers + args.num_nextn_predict_layers
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.index_keys = [
             IndexKeys(
                 torch.zeros(*shape[:2], args.index_head_dim, dtype=index_dtype, device=device),
@@ -103,7 +103,7 @@ class PagedKVCache:
             )
             if args.is_sparse
             else None
-            for _ in range(args.num_hidden_layers)
+            for _ in range(num_layers)
         ]
 
     @property

@@ -5,12 +5,14 @@ A checkpoint is `config.json` plus safetensors files (one, or shards named by
 the model's parameters. FP8 e4m3 weights come with `weight_scale_inv`, one fp32 scale per
 128 x 128 block: a model that keeps its projections in FP8 (`fp8.use_fp8`) keeps them so, and
 quantizes bf16 ones the same way; any other model gets them dequantized. Routed experts this
-rank does not hold are not read; layers past `num_hidden_layers` (DeepSeek-V3's
-multi-token-prediction layer) are skipped.
+rank does not hold are not read. Layer `num_hidden_layers` is DeepSeek-V3's multi-token-prediction
+module (`ref_server.model.mtp`): loaded where the checkpoint has it, but for its copies of the
+embedding and head, which are the model's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from collections.abc import Iterator
@@ -37,6 +39,15 @@ def read_config(path: Path) -> ModelArgs:
         return ModelArgs.from_hf_config(json.loads(config_file.read_text()))
     except (KeyError, TypeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{config_file}: not a DeepSeek-V3 config ({error!r})") from error
+
+
+def without_absent_mtp(args: ModelArgs, path: Path) -> ModelArgs:
+    """args without the MTP module when the checkpoint's config names one that its weights
+    lack (a checkpoint saved without it, as transformers saves DeepSeek-V3)."""
+    mtp = f"model.layers.{args.num_hidden_layers}.eh_proj.weight"
+    if args.num_nextn_predict_layers and mtp not in weight_files(path):
+        return dataclasses.replace(args, num_nextn_predict_layers=0)
+    return args
 
 
 def weight_files(path: Path) -> dict[str, Path]:
@@ -73,21 +84,25 @@ def checkpoint_tensors(
         for name, module in model.named_modules()
         if getattr(module, "row_parts", None) is not None
     }
+    mtp_layer = f"layers.{model.args.num_hidden_layers}."
     for name, tensor in tensors.items():
         if name.endswith("_scale_inv") or ".location." in name:
             continue  # filled with its weight; where the experts are is not in checkpoints
         scale = tensors.get(name + "_scale_inv")
+        module_name = name
+        if name.startswith("mtp."):
+            name = mtp_layer + name.removeprefix("mtp.")
         parts = name.split(".")
-        owner = name.rpartition(".")[0]
+        owner = module_name.rpartition(".")[0]
         if owner in stacked:
-            prefix = "model." + owner.rpartition(".")[0]
+            prefix = "model." + name.rpartition(".")[0].rpartition(".")[0]
             for part, weight, part_scale in stacked[owner].views(tensor, scale):
                 yield f"{prefix}.{part}.weight", weight, part_scale
             continue
         if parts[2:4] != ["mlp", "experts"]:
             yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
             continue
-        moe = model.layers[int(parts[1])].mlp
+        moe = model.get_submodule(module_name.split(".experts.")[0])
         experts = moe.slot_experts()
         for e in range(tensor.shape[0]):
             prefix = f"model.layers.{parts[1]}.mlp.experts.{experts[e]}."

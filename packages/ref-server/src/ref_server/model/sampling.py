@@ -66,9 +66,18 @@ def sample_on_device(
     scores = logits.float() / temperature.unsqueeze(-1)
     if any(p.top_k or p.top_p < 1 for p in params):
         scores = _keep_top_k_top_p(scores, params)
-    keys = [(params[r].seed * 1_000_003 + positions[r]) % 2**63 for r in drawn]
+    keys = [sampling_key(params[r], positions[r]) for r in drawn]
     scores[_to(device, drawn)] += _gumbel(_to(device, keys), scores.shape[1])
     return scores.argmax(dim=-1)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws each row of logits `[rows, vocab]` from, float32 (not
+    for greedy params)."""
+    scores = logits.float() / params.temperature
+    if params.top_k or params.top_p < 1:
+        scores = _keep_top_k_top_p(scores, [params] * len(scores))
+    return scores.softmax(dim=-1)
 
 
 def _to(device: torch.device, values: list) -> torch.Tensor:
@@ -102,13 +111,22 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def sampling_key(params: SamplingParams, position: int) -> int:
+    """The key of a draw for `position` of a sequence sampled with params."""
+    return (params.seed * 1_000_003 + position) % 2**63
+
+
 def _gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """`[rows, vocab]` float32 standard Gumbel noise: splitmix64 of (key, token id), int64
-    arithmetic wrapping alike on every device."""
-    tokens = torch.arange(vocab, device=keys.device)
+    """`[rows, vocab]` float32 standard Gumbel noise from `uniform`."""
+    return (-torch.log(-torch.log(uniform(keys, vocab)))).float()
+
+
+def uniform(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """`[rows, count]` float64 uniform in (0, 1): splitmix64 of (key, column), int64 arithmetic
+    wrapping alike on every device."""
+    tokens = torch.arange(count, device=keys.device)
     z = keys.unsqueeze(-1) * _signed(0x9E3779B97F4A7C15) + tokens
     z = (z ^ _shift_right(z, 30)) * _signed(0xBF58476D1CE4E5B9)
     z = (z ^ _shift_right(z, 27)) * _signed(0x94D049BB133111EB)
     z = z ^ _shift_right(z, 31)
-    uniform = (_shift_right(z, 11).double() + 0.5) / 2**53  # in (0, 1)
-    return (-torch.log(-torch.log(uniform))).float()
+    return (_shift_right(z, 11).double() + 0.5) / 2**53

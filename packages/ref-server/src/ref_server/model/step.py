@@ -107,9 +107,10 @@ class StepBatch:
             for tokens, seqs, query, context in halves
         )
 
-    def metadata(self, cache) -> StepMetadata:
+    def metadata(self, cache, every_row: bool = False) -> StepMetadata:
         """This batch's device form on the cache's device (cache: anything with `device` and
-        `page_size`, such as a `PagedKVCache`)."""
+        `page_size`, such as a `PagedKVCache`); every_row: the step returns the logits of every
+        new token, not each sequence's last one's."""
         page = cache.page_size
         host = dict(
             positions=self.positions,
@@ -122,8 +123,9 @@ class StepBatch:
             torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
             for lens in (self.query_lens, self.context_lens)
         )
+        if not every_row:
+            host["last_rows"] = cu_seqlens_q[1:].long() - 1
         host |= dict(
-            last_rows=cu_seqlens_q[1:].long() - 1,
             context_rows=self.context_rows(page),
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k,

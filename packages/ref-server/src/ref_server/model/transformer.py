@@ -136,14 +136,24 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = None  # the MTP module (`ref_server.model.mtp`), which `from_args` adds
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids `[b, t]` int64 to logits `[b, t, vocab]` float32 (no cache)."""
-        x = self.embed_tokens(input_ids)
-        rotation = self.rope(torch.arange(input_ids.shape[1], device=x.device), x.dtype)
+        return self.lm_head(self.hidden_states(input_ids)).float()
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids `[b, t]` to the output hidden states `[b, t, hidden]`, after the final
+        norm (what the head and the MTP module read), without cache."""
+        x, rotation = self.embed_tokens(input_ids), self.full_pass_rotation(input_ids)
         for layer in self.layers:
             x = layer(x, rotation)
-        return self.lm_head(self.norm(x)).float()
+        return self.norm(x)
+
+    def full_pass_rotation(self, input_ids: torch.Tensor):
+        """Rope angles of positions 0 .. t - 1 for input_ids `[b, t]`."""
+        dtype = self.embed_tokens.weight.dtype
+        return self.rope(torch.arange(input_ids.shape[1], device=input_ids.device), dtype)
 
     def moe_layers(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
@@ -155,9 +165,23 @@ class Transformer(nn.Module):
         if problem := self.kernels.decode_attention.cache_problem(cache):
             raise ValueError(f"kernels {self.kernels.spec!r}: {problem}")
         ops = [Op("embed", self.embed)]
-        for layer, kv, index_keys in zip(self.layers, cache.layers, cache.index_keys, strict=True):
+        n = len(self.layers)
+        for layer, kv, index_keys in zip(
+            self.layers, cache.layers[:n], cache.index_keys[:n], strict=True
+        ):
             ops += layer.operations(schedule, kv, index_keys)
         return [*ops, Op("head", self.head)]
+
+    def mtp_operations(self, cache: PagedKVCache, schedule: str) -> list:
+        """A cached step of the MTP module: its input, its layer (the cache's last), its head.
+        State in as `operations`' (input_ids: each row's next token) plus previous_hidden
+        `[n, hidden]`, the model's (or the module's) output hidden states."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP module (num_nextn_predict_layers 0)")
+        if len(cache.layers) != len(self.layers) + 1:
+            raise ValueError("the cache has no layer for the MTP module")
+        layer = self.mtp.operations(schedule, cache.layers[-1], cache.index_keys[-1])
+        return [Op("mtp.embed", self.mtp_embed), *layer, Op("mtp.head", self.mtp_head)]
 
     # State in: step (`StepMetadata`, None on a rank without tokens), input_ids `[n]`.
     # State out: logits `[b, vocab]` float32 (None without tokens).
@@ -179,7 +203,19 @@ class Transformer(nn.Module):
                 step.cache_seqlens, heads
             )
 
+    def mtp_embed(self, state) -> None:
+        self.embed(state)
+        if state.step is not None:
+            state.hidden = self.mtp.project(state.pop("hidden"), state.pop("previous_hidden"))
+
     def head(self, state) -> None:
+        self._head(state, self.norm)
+
+    def mtp_head(self, state) -> None:
+        self._head(state, self.mtp.shared_head.norm)
+
+    def _head(self, state, norm) -> None:
+        """logits (and output_hidden, the normed rows they come from) of the step's last rows."""
         x, update, step = state.pop("hidden"), state.pop("hidden_update"), state.step
         shared = state.pop("hidden_update_shared", None)
         if step is None:
@@ -188,7 +224,8 @@ class Transformer(nn.Module):
         if step.last_rows is not None:
             x, update = x[step.last_rows], update[step.last_rows]
             shared = None if shared is None else shared[step.last_rows]
-        state.logits = self.lm_head(self.norm.add_and_norm(x, update, shared)[1]).float()
+        state.output_hidden = norm.add_and_norm(x, update, shared)[1]
+        state.logits = self.lm_head(state.output_hidden).float()
 
     @torch.no_grad()
     def forward_step(
@@ -210,6 +247,25 @@ class Transformer(nn.Module):
             a_rows = len(split.seqs[0])
             logits = torch.cat([logits[: a_rows - 1], logits[a_rows:]])
         return logits
+
+    @torch.no_grad()
+    def every_row_step(
+        self, batch: StepBatch, cache: PagedKVCache, previous_hidden: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits `[n, vocab]` float32 and output hidden states `[n, hidden]` of every new token
+        of `batch` (speculative decoding: a verify step, and the MTP module's drafts): the
+        model's, or with previous_hidden `[n, hidden]` the MTP module's, which reads
+        batch.input_ids as the tokens after those previous_hidden belong to."""
+        schedule = "decode" if batch.is_decode else "prefill"
+        step = batch.metadata(cache, every_row=True)
+        state = self._state(batch.input_ids.to(cache.device), step, 0, False)
+        if previous_hidden is None:
+            ops = self.operations(cache, schedule)
+        else:
+            ops = self.mtp_operations(cache, schedule)
+            state.previous_hidden = previous_hidden
+        run(ops, state)
+        return state.logits, state.output_hidden
 
     @torch.no_grad()
     def run_step(
