@@ -67,21 +67,33 @@ def test_greedy_output_equals_one_process_generation(deployment_of, preset):
             assert got.finish_reason == ("length" if len(want) == max_tokens else "stop")
 
 
-def test_a_v32_checkpoint_serves_what_it_generates_in_one_process(checkpoints, tmp_path, serving):
-    """`--model DIR` of a DeepSeek-V3.2 checkpoint in transformers' layout, its indexer picking 8
-    tokens: the deployment's greedy tokens are those of the checkpoint in one process."""
-    checkpoints.write(tmp_path, seed=1, v32=True)
+@pytest.mark.parametrize("v32", [False, True], ids=["v3", "v3.2"])
+def test_a_checkpoint_serves_what_it_generates_in_one_process(checkpoints, tmp_path, serving, v32):
+    """`--model DIR` of a DeepSeek-V3 or V3.2 checkpoint in transformers' layout (V3's config
+    names an MTP module its weights lack; V3.2's indexer picks 8 tokens): the deployment's
+    greedy tokens are those of the checkpoint in one process, and the router counts the bytes
+    of the pages the instances' caches hold (V3.2's index keys in, no MTP layer)."""
+    checkpoints.write(tmp_path, seed=1, v32=v32)
     reference = M.from_pretrained(tmp_path, dtype=torch.float32)  # as an instance on the CPU
-    assert reference.args.is_sparse
+    assert reference.args.is_sparse == v32 and reference.args.num_nextn_predict_layers == 0
+    prompts = [[5, 6, 7], list(range(2, 60)), list(range(100, 230))]
     running = Deployment(serving.config(model=str(tmp_path)), startup_timeout=120)
     try:
         with Client(running.address) as client:
-            for prompt in ([5, 6, 7], list(range(2, 60)), list(range(100, 230))):
+            for prompt in prompts:
                 want = reference.generate([prompt], M.SamplingParams(max_tokens=12))[0]
                 got = client.generate(prompt, temperature=0, max_tokens=12, timeout=60)
                 assert got.token_ids == want
+        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
     finally:
         running.stop()
+    pages = sum(-(-len(prompt) // 16) for prompt in prompts)
+    page_bytes = M.PagedKVCache(reference.args, 1, 16).page_bytes
+    moved = 'ref_server_kv_transfer_bytes_total{method="grpc"} '
+    assert [float(line.split()[-1]) for line in text.splitlines() if line.startswith(moved)] == [
+        pages * page_bytes
+    ]
 
 
 def test_a_request_without_a_deadline_succeeds(client, tiny_deployment, reference):

@@ -30,7 +30,7 @@ import ref_server.model as M
 from overlap_sched.gating import Thresholds
 from ref_server.balance import PrefillPolicy, read_placement
 from ref_server.engine import Engine, EplbConfig, SchedulerConfig
-from ref_server.model.checkpoint import read_config
+from ref_server.model.checkpoint import read_config, without_absent_mtp
 from ref_server.services.aio import background
 from ref_server.services.config import ServeConfig
 from ref_server.services.engine_loop import EngineLoop
@@ -66,7 +66,12 @@ REQUEST_SLACK_BYTES = 64 << 10
 
 
 def model_args(config: ServeConfig) -> M.ModelArgs:
-    return read_config(Path(config.model)) if config.model else M.PRESETS[config.preset]
+    """The model's, as an instance loads it (a checkpoint's MTP module only if it has its
+    weights): the router sizes pages by them."""
+    if not config.model:
+        return M.PRESETS[config.preset]
+    path = Path(config.model)
+    return without_absent_mtp(read_config(path), path)
 
 
 def model_fingerprint(config: ServeConfig) -> str:
