@@ -79,7 +79,8 @@ mla-tests() {
 
 mla-sparse() {
   python3 -m pytest -q -m gpu packages/mla-kernels/tests/test_sparse_cuda.py || return 1
-  # --peer once FlashMLA's sparse kernels are built beside ours (../shared/peers/flashmla)
+  # --peer once FlashMLA's sparse kernels are built beside ours: tools/gpu/build_flashmla_sparse_peer.py
+  # into a folder on PYTHONPATH, with FLASHMLA_SPARSE_PEER=flashmla_sparse_peer
   python3 packages/mla-kernels/benchmarks/bench_sparse.py ${FLASHMLA_SPARSE_PEER:+--peer} \
     --json "$logs/mla-sparse.json"
 }
