@@ -14,10 +14,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ep_comm import Buffer, Config
+from ep_comm import Buffer, Config, EPCommError, low_latency
 from ep_comm.fp8 import pack_ue8m0, per_token_cast_to_fp8
 from ep_comm.low_latency_backend import LowLatencyHandle
-from ep_comm.testing import random_routing
+from ep_comm.testing import out_of_memory_once, random_routing
 
 HIDDEN = 512  # UE8M0 packs four 128-channel scales per int32
 TOKENS = 16  # T, num_max_dispatch_tokens_per_rank
@@ -356,4 +356,34 @@ def rejected_everywhere(rank: int, world: int, group) -> None:
         buffer.low_latency_combine(**combine_args, use_logfmt=True)
 
     combined, _, _ = buffer.low_latency_combine(**combine_args)
+    assert torch.equal(combined, expected_combine(p, rank))
+
+
+def allocation_fails(rank: int, world: int, group) -> None:
+    """Rank 1 runs out of memory allocating a dispatch's outputs, then a combine's: every rank
+    raises the same EPCommError from that call; the buffer, reset, dispatches and combines
+    the right rows again."""
+    p = make_problem(world, seed=23)
+    buffer = make_buffer(group, world, "torch", timeout=20)
+    x, topk_idx, weights = p.x[rank], p.topk_idx[rank], p.topk_weights[rank]
+    args = (x, topk_idx, TOKENS, p.num_experts)
+
+    def on_rank_1(call, match: str):
+        with out_of_memory_once(low_latency, "empty") as failing:
+            if rank != 1:
+                failing.failed = True  # the other ranks allocate
+            with pytest.raises(EPCommError, match=match):
+                call()
+        assert failing.failed
+
+    match = r"rank 1/\d: low_latency_dispatch could not allocate its outputs .*simulated"
+    on_rank_1(lambda: buffer.low_latency_dispatch(*args, use_fp8=False), match)
+    buffer.reset()
+    dispatched = buffer.low_latency_dispatch(*args, use_fp8=False)
+    check_received(p, rank, world, dispatched, "torch")
+    recv_x, count, handle, _, _ = dispatched
+    y = combine_input(p, rank, world, recv_x, count)
+    match = r"rank 1/\d: low_latency_combine could not allocate its outputs .*simulated"
+    on_rank_1(lambda: buffer.low_latency_combine(y, topk_idx, weights, handle), match)
+    combined, _, _ = buffer.low_latency_combine(y, topk_idx, weights, handle)
     assert torch.equal(combined, expected_combine(p, rank))

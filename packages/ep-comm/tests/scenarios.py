@@ -13,9 +13,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ep_comm import Buffer, Config, EPCommError
+from ep_comm import Buffer, Config, EPCommError, torch_backend
 from ep_comm.layout import aligned
-from ep_comm.testing import per_token_cast_to_fp8, random_routing
+from ep_comm.testing import out_of_memory_once, per_token_cast_to_fp8, random_routing
 
 HIDDEN = 256
 # 2 channels, rings of 8 tokens filled 3 at a time: the cuda backend's rings wrap many times
@@ -246,6 +246,18 @@ def absent_peer(rank: int, world: int, group) -> None:
     assert time.monotonic() - start < 6
 
 
+def late_from_the_device(rank: int, world: int, group) -> None:
+    """Rank 1 reaches raise_if_failed 1.5 timeouts after rank 0 (its kernels waited on a peer
+    for a whole timeout, say): the host waits for it, and neither raises."""
+    timeout = 2
+    buffer = Buffer(group, timeout=timedelta(seconds=timeout))
+    if rank == 1:
+        time.sleep(1.5 * timeout)
+    start = time.monotonic()
+    buffer.raise_if_failed()
+    assert rank == 1 or time.monotonic() - start > timeout
+
+
 def async_paths(rank: int, world: int, group, backend: str) -> None:
     """async_finish, previous_event and allocate_on_comm_stream give what the plain call gives."""
     p = make_problem(world, seed=11)
@@ -344,6 +356,32 @@ def overflow_on_gpu(rank: int, world: int, group) -> None:
     assert int(buffer.error_flag) == 0
 
 
+def overflow_returns_nan_rows(rank: int, world: int, group) -> None:
+    """With EP_COMM_OVERFLOW_RETURNS_ROWS=1, rank 0 alone overflows num_worst_tokens: the
+    combine after it ends on every rank well within the timeout, its tokens' sums NaN where
+    rank 0 took part (all of rank 0's), the others right; then every rank raises."""
+    p = make_problem(world, seed=31)
+    received = [len(expected_receive(p, r, world)[0]) for r in range(world)]
+    worst = max(received[1:])
+    assert received[0] > worst
+    timeout = 20
+    buffer = make_buffer(group, world, "cuda", timeout=timeout)
+    x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
+    start = time.monotonic()
+    _, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts, worst)
+    torch.cuda.synchronize()
+    assert time.monotonic() - start < timeout / 2
+    combined = combined.cpu()
+    via_rank_0 = (p.topk_idx[rank] >= 0) & (p.topk_idx[rank] // (p.num_experts // world) == 0)
+    poisoned = via_rank_0.any(dim=1) if rank else torch.ones(len(combined), dtype=torch.bool)
+    assert combined[poisoned].isnan().all(dim=1).all()
+    want = _sums_of_copies(p, rank, world)
+    assert torch.equal(combined[~poisoned], want[~poisoned])
+    match = rf"rank 0/{world}: an earlier dispatch received {received[0]} rows"
+    with pytest.raises(EPCommError, match=match):
+        buffer.raise_if_failed()
+
+
 def _dispatch_and_combine(buffer, x, topk_idx, num_experts: int, num_worst_tokens: int = 0):
     """One dispatch of CUDA x and topk_idx, the identity as experts, one combine: (received
     rows, combined)."""
@@ -433,9 +471,8 @@ def sleeping_peer(rank: int, world: int, group, graph: bool) -> None:
 
 
 def allocation_fails_between_kernels(rank: int, world: int, group) -> None:
-    """Rank 1 cannot allocate its received rows after notify (an OOM, say): it raises from that
-    dispatch but still drains its peers' rows instead of leaving them waiting; the peers' next
-    call raises, and reset() recovers."""
+    """Rank 1 cannot allocate its received rows after notify (an OOM, say): every rank raises
+    from that dispatch before any rows move; the buffer stays failed until reset()."""
     p = make_problem(world, seed=19)
     buffer = make_buffer(group, world, "cuda", timeout=10)
     x, topk_idx = p.x[rank].cuda(), p.topk_idx[rank].cuda()
@@ -448,17 +485,44 @@ def allocation_fails_between_kernels(rank: int, world: int, group) -> None:
             return real(sources, rows, padded)
 
         buffer._impl._outputs = out_of_memory
-        with pytest.raises(EPCommError, match=r"rank 1/2: dispatch could not allocate its \d+"):
-            _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+    with pytest.raises(EPCommError, match=r"rank 1/2: dispatch could not allocate its outputs"):
+        _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+    if rank == 1:
         buffer._impl._outputs = real
-        with pytest.raises(EPCommError, match="dropped the rest"):
-            buffer.raise_if_failed()
-    else:  # its dispatch completes; its combine's check learns of rank 1's failure
-        with pytest.raises(EPCommError, match=r"rank 1: .* dropped the rest"):
-            _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
+    with pytest.raises(EPCommError, match=r"rank 1/2: .*rebuild the buffer"):
+        buffer.raise_if_failed()
     buffer.reset()
     _, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts)
     assert torch.equal(combined.cpu(), _sums_of_copies(p, rank, world))
+
+
+def allocation_fails_on_one_rank(rank: int, world: int, group) -> None:
+    """Rank 1 runs out of memory allocating a combine's outputs, then those of a dispatch padded
+    to num_worst_tokens: every rank raises the same EPCommError from that call, before anything
+    moved, and the buffer, reset, returns the right sums again."""
+    p = make_problem(world, seed=29)
+    buffer = make_buffer(group, world, "torch", timeout=20)
+    x, topk_idx = p.x[rank], p.topk_idx[rank]
+    worst = max(len(expected_receive(p, r, world)[0]) for r in range(world))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, p.num_experts)
+    layout = dict(
+        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert
+    )
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, **layout)
+    calls = [
+        ("zeros", "combine", lambda: buffer.combine(recv_x, handle)),
+        ("full", "dispatch", lambda: buffer.dispatch(x, num_worst_tokens=worst, **layout)),
+    ]
+    for allocator, step, call in calls:
+        with out_of_memory_once(torch_backend, allocator) as failing:
+            failing.failed = rank != 1  # the others allocate
+            match = rf"rank 1/{world}: {step} could not allocate its outputs .*simulated"
+            with pytest.raises(EPCommError, match=match):
+                call()
+        assert failing.failed
+        buffer.reset()
+        _, combined = _dispatch_and_combine(buffer, x, topk_idx, p.num_experts, worst)
+        assert torch.equal(combined, _sums_of_copies(p, rank, world))
 
 
 def wrong_device(rank: int, world: int, group) -> None:

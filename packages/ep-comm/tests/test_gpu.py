@@ -45,6 +45,11 @@ def test_num_worst_tokens_overflow_poisons_until_reset_and_is_reported_on_every_
     run_ranks(3, SCENARIOS, "overflow_on_gpu", limit=300)
 
 
+def test_an_overflowed_rank_returns_nan_rows_instead_of_stalling_its_peers(monkeypatch):
+    monkeypatch.setenv("EP_COMM_OVERFLOW_RETURNS_ROWS", "1")
+    run_ranks(3, SCENARIOS, "overflow_returns_nan_rows", limit=300)
+
+
 def test_rings_larger_than_the_buffer_are_refused_on_every_rank():
     run_ranks(2, SCENARIOS, "buffer_too_small", limit=300)
 

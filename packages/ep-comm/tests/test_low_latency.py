@@ -1,12 +1,17 @@
 """The low-latency mode: its FP8 cast and buffer size in this process, and dispatch / combine
 across gloo process groups of 2, 3 and 4 spawned processes (tests/ll_scenarios.py)."""
 
+import operator
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ep_comm import Buffer
+from ep_comm import Buffer, EPCommError, nvshmem
 from ep_comm.fp8 import ceil_to_power_of_two, pack_ue8m0, per_token_cast_to_fp8
 from ep_comm.low_latency_backend import LowLatencyHandle, rdma_size_hint
 from ep_comm.testing import run_ranks
@@ -131,3 +136,26 @@ def test_hook_protocol_and_fixed_layout():
 
 def test_bad_arguments_raise_on_every_rank():
     run_ranks(3, SCENARIOS, "rejected_everywhere", limit=120)
+
+
+def test_an_allocation_failure_on_one_rank_raises_on_every_rank():
+    run_ranks(2, SCENARIOS, "allocation_fails", limit=120)
+
+
+def test_an_nvshmem_collective_that_never_returns_raises_and_so_does_every_later_one(
+    monkeypatch,
+):
+    monkeypatch.setenv("EP_COMM_NVSHMEM_WATCHDOG", "1")
+    monkeypatch.setattr(nvshmem, "_blocked", [])
+    comm = SimpleNamespace(rank=1, size=2, device_timeout=timedelta(seconds=0.5))
+    assert nvshmem.collective(comm, "add", operator.add, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        nvshmem.collective(comm, "divide", operator.truediv, 1, 0)
+    never = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(EPCommError, match=r"rank 1/2: nvshmem_free did not return within 0.5 s"):
+        nvshmem.collective(comm, "nvshmem_free", never.wait)
+    assert 0.5 <= time.monotonic() - start < 3
+    with pytest.raises(EPCommError, match="unusable in this process since nvshmem_free never"):
+        nvshmem.collective(comm, "nvshmem_malloc", operator.add, 1, 1)
+    never.set()

@@ -33,5 +33,13 @@ def test_bad_arguments_raise_on_every_rank(case):
     run_ranks(3, SCENARIOS, "rejected_everywhere", case)
 
 
+def test_an_allocation_failure_on_one_rank_raises_on_every_rank():
+    run_ranks(2, SCENARIOS, "allocation_fails_on_one_rank", limit=120)
+
+
 def test_absent_peer_times_out_with_rank_and_step():
     run_ranks(2, SCENARIOS, "absent_peer", limit=60)
+
+
+def test_a_rank_late_from_its_kernels_is_waited_for():
+    run_ranks(2, SCENARIOS, "late_from_the_device", limit=60)

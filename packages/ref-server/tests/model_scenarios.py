@@ -293,7 +293,8 @@ def fail_once(buffer, message: str) -> None:
 
 def a_failed_exchange_is_rebuilt(rank: int, world: int, group, path: str, device: str = "cpu"):
     """Engine loops of an expert-parallel instance, every rank with requests in flight: when
-    rank 1's buffer reports a failure, every rank ends its requests with an error, rebuilds the
+    rank 1's buffer reports a failure, or (eager) rank 1 alone runs out of memory allocating a
+    low-latency call's outputs, every rank ends its requests with an error, rebuilds the
     exchange (re-capturing its decode graphs) and serves the same prompts again as before.
     When the rebuild fails, the loops stop and report it (on_failure: NOT_SERVING)."""
     import threading
@@ -301,6 +302,8 @@ def a_failed_exchange_is_rebuilt(rank: int, world: int, group, path: str, device
 
     import torch.distributed as dist
 
+    from ep_comm import low_latency
+    from ep_comm.testing import out_of_memory_once
     from ref_server.engine import Engine, FinishReason, SchedulerConfig
     from ref_server.services.engine_loop import EngineLoop
 
@@ -339,11 +342,16 @@ def a_failed_exchange_is_rebuilt(rank: int, world: int, group, path: str, device
             loop.open(request_id, add, sink).result(timeout=60)
         return tokens, ends
 
-    def fail_while_running(name: str) -> tuple[dict, dict]:
+    def fail_while_running(name: str, out_of_memory: bool = False) -> tuple[dict, dict]:
+        """Rank 1's buffer reports a failure, or (out_of_memory) it cannot allocate the
+        outputs of its next low-latency call."""
         tokens, ends = start(name)
         wait_until(lambda: all(tokens.values()), "a token for every request")
         dist.barrier(group=barrier)  # every rank's requests are running
-        if rank == 1:
+        if rank == 1 and out_of_memory:
+            with out_of_memory_once(low_latency, "empty") as failing:
+                wait_until(lambda: failing.failed, "an allocation failed")
+        elif rank == 1:
             loop.submit(lambda e: fail_once(e.model.expert_parallel.buffer, "injected")).result()
         wait_until(lambda: len(ends) == len(prompts), "every request ended")
         return tokens, ends
@@ -359,6 +367,15 @@ def a_failed_exchange_is_rebuilt(rank: int, world: int, group, path: str, device
         completion = failed[request_id]
         assert completion == before[request_id.replace("failed", "before")][: len(completion)]
     assert loop.failure is None and (graphs is None or engine.runner.decode_graphs is not graphs)
+
+    if device == "cpu":  # decode graphs allocate nothing per step
+        failed, ends = fail_while_running("oom", out_of_memory=True)
+        for request_id, (kind, message) in ends.items():
+            assert kind == "error" and "expert-parallel exchange failed" in message, message
+            assert "rank 1/2: low_latency_" in message and "could not allocate" in message
+            completion = failed[request_id]
+            assert completion == before[request_id.replace("oom", "before")][: len(completion)]
+        assert loop.failure is None
 
     after, ends = start("after")
     wait_until(lambda: len(ends) == len(prompts), "every request ended")

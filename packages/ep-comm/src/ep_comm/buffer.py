@@ -68,7 +68,8 @@ class Buffer:
         process, peer access between different GPUs); otherwise "torch", with a warning saying
         why (`Buffer.why_not_cuda`).
     timeout: how long a rank waits for the others in any step (host or GPU) before raising
-        `EPCommError`.
+        `EPCommError`; host steps that follow kernels which may have waited on peers
+        (`raise_if_failed`, `reset`, a dispatch's counts) wait 2 x timeout + 5 s.
 
     Failures: a call that synchronizes with the host raises `EPCommError` on every rank. One
     that cannot (a CUDA-graph replay, `async_finish`, a combine) poisons its outputs instead:
@@ -234,8 +235,10 @@ class Buffer:
 
     def raise_if_failed(self) -> None:
         """Raise EPCommError on every rank if any rank's buffer failed in a call that could not
-        raise (graph replays, async calls, the last call of a step). Collective."""
-        self._comm.agree("Buffer.raise_if_failed", {}, None, self.failure())
+        raise (graph replays, async calls, the last call of a step). Collective; waits for the
+        others as long as their kernels may wait on peers (`Collectives.device_timeout`)."""
+        comm = self._comm
+        comm.agree("Buffer.raise_if_failed", {}, None, self.failure(), comm.device_timeout)
 
     def _device_problem(self, x) -> str | None:
         if not isinstance(x, torch.Tensor):
@@ -341,19 +344,24 @@ class Buffer:
             or self._device_problem(x)
             or self._impl.dispatch_problem(inp, config, handle)
         )
-        self._agree("dispatch: check arguments", inp.signature(config), problem)
+        outputs, failure = None, None
+        if problem is None:
+            outputs, failure = self._allocate(
+                "dispatch", allocate_on_comm_stream, self._impl.dispatch_outputs, inp
+            )
+        self._agree("dispatch: check arguments", inp.signature(config), problem, failure)
 
         if handle is not None:
 
             def work():
-                recv_x, recv_x_scales = self._impl.dispatch_cached(inp, handle, config)
+                recv_x, recv_x_scales = self._impl.dispatch_cached(inp, handle, config, outputs)
                 received = recv_x if x_scales is None else (recv_x, recv_x_scales)
                 return received, None, None, None, None
 
         else:
 
             def work():
-                out = self._impl.dispatch(inp, config)
+                out = self._impl.dispatch(inp, config, outputs)
                 return (
                     out.recv_x if x_scales is None else (out.recv_x, out.recv_x_scales),
                     out.recv_topk_idx,
@@ -362,7 +370,7 @@ class Buffer:
                     out.handle,
                 )
 
-        inputs = (x, x_scales, topk_idx, topk_weights)
+        inputs = (x, x_scales, topk_idx, topk_weights, outputs)
         return self._run(work, inputs, previous_event, async_finish, allocate_on_comm_stream)
 
     def combine(
@@ -397,22 +405,41 @@ class Buffer:
             "topk_weights given": topk_weights is not None,
             "config": repr(config),
         }
-        self._agree("combine: check arguments", signature, problem)
+        outputs, failure = None, None
+        if problem is None:
+            outputs, failure = self._allocate(
+                "combine",
+                allocate_on_comm_stream,
+                self._impl.combine_outputs,
+                x,
+                handle,
+                topk_weights,
+            )
+        self._agree("combine: check arguments", signature, problem, failure)
         return self._run(
-            lambda: self._impl.combine(x, handle, topk_weights, biases, config),
-            (x, topk_weights, *biases),
+            lambda: self._impl.combine(x, handle, topk_weights, biases, config, outputs),
+            (x, topk_weights, *biases, outputs),
             previous_event,
             async_finish,
             allocate_on_comm_stream,
         )
 
-    def _agree(self, step: str, signature: dict, problem: str | None) -> None:
-        """Raise on every rank if any rank's arguments are bad or its buffer failed earlier."""
-        self._comm.agree(step, signature, problem, self.failure())
+    def _agree(self, step: str, signature: dict, problem: str | None, failure: str | None):
+        """Raise on every rank if any rank's arguments are bad, its buffer failed earlier or it
+        could not allocate this call's outputs (`failure`)."""
+        self._comm.agree(step, signature, problem, self.failure() or failure)
+
+    def _device(self):
+        return torch.cuda.device(self.device) if self.device is not None else nullcontext()
+
+    def _allocate(self, step: str, allocate_on_comm_stream: bool, allocate, *args):
+        """A call's outputs and None, or None and why not (`Collectives.allocated`)."""
+        with self._device(), self._streams.allocating(allocate_on_comm_stream):
+            return self._comm.allocated(step, allocate, *args)
 
     def _run(self, work, inputs, previous_event, async_finish, allocate_on_comm_stream):
         """`work` on the communication stream of this buffer's device, whichever is current."""
-        with torch.cuda.device(self.device) if self.device is not None else nullcontext():
+        with self._device():
             return self._streams.run(
                 work, inputs, previous_event, async_finish, allocate_on_comm_stream
             )

@@ -1,7 +1,8 @@
 """The few collectives ep_comm uses, with errors that say which rank failed at which step.
 
-Every call waits at most `timeout`; a peer that never arrives (it crashed, or raised before
-calling) makes the others raise `EPCommError` instead of hanging. Before moving data, ranks
+Every call waits at most `timeout` (`device_timeout` where it follows kernels that wait on peers
+themselves); a peer that never arrives (it crashed, or raised before calling) makes the others
+raise `EPCommError` instead of hanging. Before moving data, ranks
 exchange their arguments' signature and any local validation problem (`agree`), so that bad
 arguments on one rank raise a clear `ValueError` on every rank.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 MESSAGE_BYTES = 4096  # a rank's signature and problem, JSON-encoded
+HOST_MARGIN = timedelta(seconds=5)
 
 
 class EPCommError(RuntimeError):
@@ -27,6 +29,10 @@ class Collectives:
         self.rank = group.rank()
         self.size = group.size()
         self.timeout = timeout
+        # A rank's kernels may wait `timeout` for a peer whose own kernels waited `timeout` for
+        # a third: collectives after device work wait that long (and a margin), so that every
+        # rank leaves a failed step from the same collective.
+        self.device_timeout = 2 * timeout + HOST_MARGIN
         # gloo moves CPU tensors only: CUDA tensors go through host memory there.
         self.through_cpu = dist.get_backend(group) == dist.Backend.GLOO
         self.device = torch.device("cpu")
@@ -44,10 +50,16 @@ class Collectives:
             ) from error
 
     def agree(
-        self, step: str, signature: dict, problem: str | None, failure: str | None = None
+        self,
+        step: str,
+        signature: dict,
+        problem: str | None,
+        failure: str | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         """Raise on every rank if any rank has a `problem` (ValueError) or an earlier `failure`
-        (EPCommError), or if the signatures differ."""
+        (EPCommError), or if the signatures differ; waits at most `timeout` (default: the
+        buffer's)."""
         problem = problem and problem[:1000]  # the whole entry must fit MESSAGE_BYTES
         failure = failure and failure[:1000]
         payload = json.dumps([signature, problem, failure]).encode()
@@ -57,7 +69,8 @@ class Collectives:
         local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
         try:
-            self.wait(step, dist.all_gather(gathered, local, group=self.group, async_op=True))
+            work = dist.all_gather(gathered, local, group=self.group, async_op=True)
+            self.wait(step, work, timeout)
         except EPCommError as error:
             if failure is not None:  # the likelier cause
                 raise EPCommError(failure) from error
@@ -77,6 +90,19 @@ class Collectives:
             if any(v != values[0] for v in values):
                 listing = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
                 raise ValueError(f"{step}: ranks disagree on {key} ({listing})")
+
+    def allocated(self, step: str, allocate, *args, **kwargs) -> tuple:
+        """(allocate's result, None), or (None, a failure for `agree`) if it failed (out of
+        memory: torch.OutOfMemoryError on a GPU, RuntimeError on the CPU). A call's outputs are
+        allocated before the ranks agree on it, so that a rank that cannot hold them fails that
+        agreement on every rank instead of leaving its peers mid-call."""
+        try:
+            return allocate(*args, **kwargs), None
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            return None, (
+                f"ep_comm rank {self.rank}/{self.size}: {step} could not allocate its outputs "
+                f"({type(error).__name__}: {error}); nothing was sent"
+            )
 
     def all_gather(
         self, step: str, tensor: torch.Tensor, timeout: timedelta | None = None

@@ -16,12 +16,13 @@ the buffer is rebuilt. csrc/layout.h describes the buffer.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import NamedTuple
 
 import torch
 
-from ep_comm.collectives import Collectives, EPCommError
+from ep_comm.collectives import Collectives
 from ep_comm.config import Config, combine_slot_bytes, dispatch_slot_bytes
 from ep_comm.exchange import DispatchInput, DispatchOutput, Exchange, row_bytes
 from ep_comm.extension import load_extension
@@ -29,6 +30,10 @@ from ep_comm.handle import DispatchHandle
 from ep_comm.layout import aligned
 
 MAX_RANKS = 8
+# The handle keeps a dispatch's real channel counts even after an overflow, so that the
+# overflowed rank's combine returns NaN rows to every peer instead of none, which left each
+# peer waiting out the timeout. Off until it has run on a GPU (NOTES.md).
+_OVERFLOW_RETURNS_ROWS = os.environ.get("EP_COMM_OVERFLOW_RETURNS_ROWS", "0") == "1"
 NOTIFY_SLOTS = 1024
 STEPS = {
     1: "the barrier starting a call",
@@ -98,7 +103,7 @@ class CudaExchange(Exchange):
         (it is freed with the process)."""
         self.state.close_peers()  # after this rank's kernels, which give up within a timeout
         step = "Buffer.destroy(): wait until every rank unmapped"
-        self.comm.all_gather(step, torch.zeros(1), timeout=2 * self.comm.timeout)
+        self.comm.all_gather(step, torch.zeros(1), timeout=self.comm.device_timeout)
         self.state.free_buffer()
 
     def failure(self) -> str | None:
@@ -183,15 +188,31 @@ class CudaExchange(Exchange):
         )
         self._poison(*outputs, recv_src_idx, *counts)
 
-    def dispatch(self, inp: DispatchInput, config: Config) -> DispatchOutput:
+    def dispatch_outputs(self, inp: DispatchInput):
+        handle, sources = inp.handle, inp.sources()
+        if handle is not None:
+            padded = handle.actual_num_recv_tokens is not None
+            return self._outputs(sources, handle.recv_src_idx.shape[0], padded)
+        if inp.num_worst_tokens:
+            return self._outputs(sources, inp.num_worst_tokens, padded=True)
+        return None  # sized by notify
+
+    def combine_outputs(self, x, handle: DispatchHandle, topk_weights):
+        num_tokens = handle.is_token_in_rank.shape[0]
+        combined_x = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=self.device)
+        combined_weights = None
+        if topk_weights is not None:
+            shape = (num_tokens, topk_weights.shape[1])
+            combined_weights = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return combined_x, combined_weights
+
+    def dispatch(self, inp: DispatchInput, config: Config, outputs) -> DispatchOutput:
         size, sources, worst = self.size, inp.sources(), inp.num_worst_tokens
         kind = dict(dtype=torch.int32, device=self.device)
         rank_counts = torch.empty(size, size, **kind)
         channel_counts = torch.empty(size, config.num_channels, **kind)
         expert_counts = torch.empty(inp.num_experts // size, **kind)
-        # Outputs exist before the first kernel where their size is known: a rank failing
-        # between kernels would leave its peers waiting for rows it never takes.
-        received = self._outputs(sources, worst, padded=True) if worst else None
+        received = outputs
         self.state.notify(
             inp.is_token_in_rank,
             inp.num_tokens_per_expert,
@@ -201,28 +222,30 @@ class CudaExchange(Exchange):
         )
         if not worst:
             rows = int(channel_counts.sum())  # the host waits for notify here, only here
-            # If notify failed anywhere, its counts are garbage: every rank raises here.
-            self.comm.agree("dispatch: notify", {}, None, self.failure())
-            try:
-                received = self._outputs(sources, rows, padded=False)
-            except torch.OutOfMemoryError as error:
-                # Still take part, with room for nothing: the peers' rows are dropped (an
-                # overflow, so their later outputs are poisoned) instead of waited for.
-                self._exchange(
-                    sources,
-                    self._outputs(sources, 0, False),
-                    inp.is_token_in_rank,
-                    channel_counts,
-                    config,
-                )
-                self._host_failure = (
-                    f"ep_comm rank {self.rank}/{size}: dispatch could not allocate its {rows} "
-                    f"received rows ({error}) and dropped the rest; its outputs since are "
-                    "NaN; rebuild the buffer (Buffer.reset() on every rank)"
-                )
-                raise EPCommError(self._host_failure) from error
-        counts = (rank_counts, channel_counts, expert_counts)
-        self._exchange(sources, received, inp.is_token_in_rank, channel_counts, config, *counts)
+            received, failure = self.comm.allocated("dispatch", self._outputs, sources, rows, False)
+            if failure and not self._host_failure:  # notify has run: only a rebuild is known good
+                self._host_failure = f"{failure}; rebuild the buffer (Buffer.reset() on every rank)"
+            # No rank launches the dispatch kernel unless every rank's notify worked (else its
+            # counts are garbage) and every rank has room for its rows: all raise here.
+            self.comm.agree("dispatch: notify", {}, None, self.failure(), self.comm.device_timeout)
+        # The poison kernel overwrites the counts after a failure; with _OVERFLOW_RETURNS_ROWS,
+        # their total instead of the channel counts, which the handle keeps for combine.
+        total = None
+        if worst and _OVERFLOW_RETURNS_ROWS:
+            total = channel_counts.sum(dtype=torch.int32).reshape(1)
+        poisoned = total if _OVERFLOW_RETURNS_ROWS else channel_counts
+        self._exchange(
+            sources,
+            received,
+            inp.is_token_in_rank,
+            channel_counts,
+            config,
+            rank_counts,
+            expert_counts,
+            poisoned,
+        )
+        if worst and total is None:
+            total = channel_counts.sum(dtype=torch.int32).reshape(1)
         out = DispatchOutput.from_rows(received[0], inp, self.rank, size)
         out.num_recv_tokens_per_expert = (
             [] if worst else [aligned(c, inp.expert_alignment) for c in expert_counts.tolist()]
@@ -232,30 +255,21 @@ class CudaExchange(Exchange):
             recv_src_idx=received[1],
             is_token_in_rank=inp.is_token_in_rank,
             num_experts=inp.num_experts,
-            actual_num_recv_tokens=(
-                channel_counts.sum(dtype=torch.int32).reshape(1) if worst else None
-            ),
+            actual_num_recv_tokens=total,
             backend_layout=CudaLayout(channel_counts),
         )
         return out
 
-    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config):
+    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config, received):
         sources = inp.sources()
-        padded = handle.actual_num_recv_tokens is not None
-        received = self._outputs(sources, handle.recv_src_idx.shape[0], padded)
         self.state.barrier()
         channel_counts = handle.backend_layout.channel_counts
         self._exchange(sources, received, handle.is_token_in_rank, channel_counts, config)
         outputs = received[0]
         return outputs[0], (outputs[1] if inp.x_scales is not None else None)
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config):
-        num_tokens = handle.is_token_in_rank.shape[0]
-        combined_x = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=self.device)
-        combined_weights = None
-        if topk_weights is not None:
-            shape = (num_tokens, topk_weights.shape[1])
-            combined_weights = torch.empty(shape, dtype=torch.float32, device=self.device)
+    def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config, outputs):
+        combined_x, combined_weights = outputs
         self.state.barrier()
         self.state.combine(
             x,

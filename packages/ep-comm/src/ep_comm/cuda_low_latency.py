@@ -157,12 +157,13 @@ class NvshmemLowLatency:
         self.slot_signal_bytes = _aligned(8 * (2 * MAX_EXPERTS + self.size))
         control_bytes = 2 * self.slot_signal_bytes + ALIGN  # + the failure word
         self.lib = nvshmem.initialize(comm, num_rdma_bytes + control_bytes)
-        self.data = self.lib.ep_ll_malloc(num_rdma_bytes)
-        self.control = self.lib.ep_ll_malloc(control_bytes)
+        step = "low-latency Buffer(): nvshmem_malloc"
+        self.data = nvshmem.collective(comm, step, self.lib.ep_ll_malloc, num_rdma_bytes)
+        self.control = nvshmem.collective(comm, step, self.lib.ep_ll_malloc, control_bytes)
         if not self.data or not self.control:
             for allocation in (self.data, self.control):
                 if allocation:
-                    self.lib.ep_ll_free(allocation)
+                    self._free(allocation)
             raise nvshmem.NvshmemUnavailable(
                 f"nvshmem_malloc of {num_rdma_bytes} + {control_bytes} bytes failed on rank "
                 f"{self.rank} (NVSHMEM_SYMMETRIC_SIZE is the heap per PE)"
@@ -330,7 +331,8 @@ class NvshmemLowLatency:
             )
 
     def _barrier(self, step: str) -> None:
-        self.comm.all_gather(step, torch.zeros(1, dtype=torch.int32))
+        """After this rank's kernels: they may have waited on peers for a timeout."""
+        self.comm.all_gather(step, torch.zeros(1, dtype=torch.int32), self.comm.device_timeout)
 
     def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         """Collective: forget every signal, ack and failure (no kernel may be in flight)."""
@@ -360,6 +362,10 @@ class NvshmemLowLatency:
             return
         self._quiet()
         self._barrier("low-latency Buffer.destroy(): every rank's kernels finished")
-        self.lib.ep_ll_free(self.control)
-        self.lib.ep_ll_free(self.data)
+        self._free(self.control)
+        self._free(self.data)
         self.data = self.control = None
+
+    def _free(self, allocation: int) -> None:
+        step = "low-latency Buffer.destroy(): nvshmem_free"
+        nvshmem.collective(self.comm, step, self.lib.ep_ll_free, allocation)

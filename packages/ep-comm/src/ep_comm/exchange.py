@@ -108,14 +108,24 @@ class Exchange(ABC):
         """Why this combine cannot run on this backend, or None."""
 
     @abstractmethod
-    def dispatch(self, inp: DispatchInput, config: Config) -> DispatchOutput: ...
+    def dispatch_outputs(self, inp: DispatchInput):
+        """A dispatch's outputs where their size is known before any data moves (with
+        num_worst_tokens or a cached handle), else None. `Buffer` allocates them before the
+        ranks agree on the call, so that running out of memory fails the agreement."""
 
     @abstractmethod
-    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config):
+    def combine_outputs(self, x, handle: DispatchHandle, topk_weights):
+        """A combine's outputs, allocated before the ranks agree on it (as dispatch_outputs)."""
+
+    @abstractmethod
+    def dispatch(self, inp: DispatchInput, config: Config, outputs) -> DispatchOutput: ...
+
+    @abstractmethod
+    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config, outputs):
         """The rows of `handle`'s layout again: (recv_x, recv_x_scales or None)."""
 
     @abstractmethod
-    def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config):
+    def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config, outputs):
         """(combined_x, combined_topk_weights or None)."""
 
     @abstractmethod

@@ -149,8 +149,11 @@ class LowLatencyMode:
             "async_finish": bool(async_finish),
             "return_recv_hook": bool(return_recv_hook),
         }
-        slot = self._agree(step, (tokens, hidden, num_experts), problem, signature, x)
-        out = self._allocate_receive(tokens, hidden, num_experts, use_fp8, use_ue8m0)
+        out, failure = None, None
+        if problem is None:
+            receive = (tokens, x, num_experts, use_fp8, use_ue8m0)
+            out, failure = self.comm.allocated(step, self._allocate_receive, *receive)
+        slot = self._agree(step, (tokens, hidden, num_experts), problem, signature, x, failure)
         outputs = (out.x, out.scales, out.count, out.src_info, out.layout_range)
         tensors = (x, topk_idx, *call.stats, *outputs)
         send = functools.partial(self.impl.dispatch_send, slot, call, out)
@@ -186,11 +189,12 @@ class LowLatencyMode:
             "async_finish": bool(async_finish),
             "return_recv_hook": bool(return_recv_hook),
         }
-        slot = self._agree(step, layout, problem, signature, x)
-        if out is None:
-            out = torch.empty(
-                (topk_idx.shape[0], handle.hidden), dtype=torch.bfloat16, device=x.device
-            )
+        failure = None
+        if problem is None and out is None:
+            shape = (topk_idx.shape[0], handle.hidden)
+            kind = dict(dtype=torch.bfloat16, device=x.device)
+            out, failure = self.comm.allocated(step, torch.empty, shape, **kind)
+        slot = self._agree(step, layout, problem, signature, x, failure)
         send = functools.partial(self.impl.combine_send, slot, call, out)
         tensors = (x, topk_idx, topk_weights, *handle[:2], combine_wait_recv_cost_stats, out)
         event, hook = self._run(step, slot, send, tensors, async_finish, return_recv_hook)
@@ -319,8 +323,9 @@ class LowLatencyMode:
             )
         return self._size_problem(*layout)
 
-    def _agree(self, step: str, layout: tuple, problem, signature: dict, x) -> int:
-        """All ranks agree on the call; returns the buffer slot it uses."""
+    def _agree(self, step: str, layout: tuple, problem, signature: dict, x, failure) -> int:
+        """All ranks agree on the call (failure: this rank's allocation of its outputs failed);
+        returns the buffer slot it uses."""
         if problem is None:
             problem = self._protocol_problem(step, layout)
         signature = {
@@ -331,7 +336,8 @@ class LowLatencyMode:
             "num_experts": llchecks.int_or_none(layout[2]),
             **signature,
         }
-        self.comm.agree(f"{step}: check arguments", signature, problem, self.impl.failure())
+        failure = self.impl.failure() or failure
+        self.comm.agree(f"{step}: check arguments", signature, problem, failure)
         if self.device is None:
             self.device = x.device
         self._layout = layout
@@ -340,9 +346,9 @@ class LowLatencyMode:
         return slot
 
     def _allocate_receive(
-        self, tokens: int, hidden: int, num_experts: int, use_fp8: bool, use_ue8m0: bool
+        self, tokens: int, x: torch.Tensor, num_experts: int, use_fp8: bool, use_ue8m0: bool
     ) -> LowLatencyReceive:
-        num_ranks, device = self.comm.size, self.device
+        num_ranks, device, hidden = self.comm.size, self.device or x.device, x.shape[1]
         local_experts, rows = num_experts // num_ranks, num_ranks * tokens
         dtype = torch.float8_e4m3fn if use_fp8 else torch.bfloat16
         x = torch.empty((local_experts, rows, hidden), dtype=dtype, device=device)

@@ -9,6 +9,10 @@ sources, the flags and the versions. `EP_COMM_BUILD_VERBOSE=1` shows the compile
 
 NVSHMEM is per process: `initialize` starts it once, for one group of PEs, through a unique id
 that rank 0 draws and the others receive over the process group.
+
+NVSHMEM's host collectives (init, malloc, free) have no timeout: a peer that dies just before
+one blocks it for good. With `EP_COMM_NVSHMEM_WATCHDOG=1` (off until it has run on a GPU),
+`collective` runs them on a thread the caller waits for at most `Collectives.device_timeout`.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import hashlib
 import importlib.util
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ep_comm.collectives import Collectives
+from ep_comm.collectives import Collectives, EPCommError
 
 SOURCES = Path(__file__).parent / "csrc" / "low_latency"
 NVCC_FLAGS = [
@@ -143,6 +148,45 @@ def load() -> ctypes.CDLL:
 
 
 _started: dict[str, tuple] = {}  # the global ranks of this process's NVSHMEM world, once started
+_blocked: list[str] = []  # a collective that never returned: NVSHMEM is unusable in this process
+
+
+def collective(comm: Collectives, step: str, function, *args):
+    """function(*args), an NVSHMEM host collective, on this CUDA device: its result. With the
+    watchdog on, raise EPCommError instead once `comm.device_timeout` has passed; the call
+    stays blocked, and every later one raises at once (only a new process can use NVSHMEM)."""
+    where = f"ep_comm rank {comm.rank}/{comm.size}"
+    if _blocked:
+        raise EPCommError(
+            f"{where}: {step}: NVSHMEM is unusable in this process since {_blocked[0]} never "
+            "returned (restart the process)"
+        )
+    if os.environ.get("EP_COMM_NVSHMEM_WATCHDOG", "0") != "1":
+        return function(*args)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    outcome = {}
+
+    def call() -> None:
+        try:
+            if device is not None:  # the current device is per thread
+                torch.cuda.set_device(device)
+            outcome["result"] = function(*args)
+        except BaseException as error:  # raised in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call, name=f"ep_comm: {step}", daemon=True)
+    thread.start()
+    timeout = comm.device_timeout.total_seconds()
+    thread.join(timeout)
+    if thread.is_alive():
+        _blocked.append(step)
+        raise EPCommError(
+            f"{where}: {step} did not return within {timeout:g} s (a peer died or hangs); "
+            "NVSHMEM is unusable in this process from now on (restart the process)"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _set_environment(heap_bytes: int) -> None:
@@ -178,7 +222,8 @@ def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
     local = torch.frombuffer(bytearray(unique_id), dtype=torch.uint8)
     gathered = comm.all_gather("low-latency Buffer(): exchange the NVSHMEM unique id", local)
     unique_id = (ctypes.c_uint8 * id_bytes).from_buffer_copy(bytes(gathered[0].tolist()))
-    status = lib.ep_ll_init(comm.rank, comm.size, unique_id)
+    step = "low-latency Buffer(): start NVSHMEM"
+    status = collective(comm, step, lib.ep_ll_init, comm.rank, comm.size, unique_id)
     if status != 0:
         raise NvshmemUnavailable(
             f"NVSHMEM did not start on rank {comm.rank}/{comm.size} (status {status}; "

@@ -9,6 +9,7 @@ are recorded on the current stream, which may then free them). CPU work runs inl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 
 import torch
 
@@ -28,6 +29,15 @@ def _tensors(values: Iterable) -> list[torch.Tensor]:
 class CommStream:
     def __init__(self) -> None:
         self.stream: torch.cuda.Stream | None = None
+
+    def allocating(self, allocate_on_comm_stream: bool):
+        """Where a call's outputs are allocated before `run` (which gets them among its
+        inputs): in the communication stream's memory pool if asked, else the current one's."""
+        if not allocate_on_comm_stream or not torch.cuda.is_available():
+            return nullcontext()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return torch.cuda.stream(self.stream)
 
     def run(
         self,

@@ -1,4 +1,5 @@
-"""Helpers the tests and the benchmark share: routing, FP8 casts, and spawning ranks."""
+"""Helpers the tests and the benchmark share: routing, FP8 casts, spawning ranks, and an
+allocation that fails."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import queue
 import socket
 import sys
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,36 @@ import torch.multiprocessing as mp
 
 from ep_comm.config import SCALE_BLOCK
 from ep_comm.fp8 import per_token_cast_to_fp8 as per_token_cast_to_fp8  # re-exported
+
+
+class _FailingTorch:
+    """`torch`, but for the next call of `allocator`, which raises torch.OutOfMemoryError."""
+
+    def __init__(self, allocator: str) -> None:
+        self.allocator = allocator
+        self.failed = False
+
+    def __getattr__(self, name: str):
+        if name != self.allocator or self.failed:
+            return getattr(torch, name)
+
+        def out_of_memory(*args, **kwargs):
+            self.failed = True
+            raise torch.OutOfMemoryError(f"torch.{name}: out of memory (simulated)")
+
+        return out_of_memory
+
+
+@contextmanager
+def out_of_memory_once(module: ModuleType, allocator: str):
+    """Inside, the next `torch.<allocator>(...)` that `module` calls raises
+    torch.OutOfMemoryError, as on a full GPU; yields whether it has."""
+    failing = _FailingTorch(allocator)
+    module.torch = failing
+    try:
+        yield failing
+    finally:
+        module.torch = torch
 
 
 def random_routing(

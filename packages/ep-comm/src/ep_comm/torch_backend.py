@@ -39,10 +39,18 @@ def _unpack(rows: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    value = -1 if tensor.dtype in (torch.int64, torch.int32) else 0
-    padded = torch.full((rows, *tensor.shape[1:]), value, dtype=tensor.dtype, device=tensor.device)
-    padded[: tensor.shape[0]] = tensor
+def _padded(like: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """`[rows, ...]` tensors shaped as each of `like`'s rows: -1 for integers, else 0."""
+    padded = []
+    for ref in like:
+        value = -1 if ref.dtype in (torch.int64, torch.int32) else 0
+        padded.append(torch.full((rows, *ref.shape[1:]), value, dtype=ref.dtype, device=ref.device))
+    return padded
+
+
+def _fill(padded: list[torch.Tensor], received: list[torch.Tensor]) -> list[torch.Tensor]:
+    for out, rows in zip(padded, received, strict=True):
+        out[: rows.shape[0]] = rows
     return padded
 
 
@@ -72,7 +80,29 @@ class TorchExchange(Exchange):
     def destroy(self) -> None:
         pass  # it holds nothing between calls
 
-    def dispatch(self, inp: DispatchInput, config: Config) -> DispatchOutput:
+    def dispatch_outputs(self, inp: DispatchInput) -> list[torch.Tensor] | None:
+        """Padded outputs (then the source token index) with num_worst_tokens; None without:
+        the received rows are allocated as they arrive."""
+        if inp.handle is not None and inp.handle.actual_num_recv_tokens is not None:
+            sources = [inp.x] + ([inp.x_scales] if inp.x_scales is not None else [])
+            return _padded(sources, inp.handle.recv_src_idx.shape[0])
+        if inp.handle is None and inp.num_worst_tokens:
+            index = torch.empty(0, 1, dtype=torch.int32, device=inp.x.device)
+            return _padded([*inp.sources(), index], inp.num_worst_tokens)
+        return None
+
+    def combine_outputs(self, x, handle: DispatchHandle, topk_weights):
+        """combined_x, the fp32 sums it is rounded from, and the weights' sums."""
+        num_tokens = handle.is_token_in_rank.shape[0]
+        combined_x = torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
+        sums = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+        combined_weights = None
+        if topk_weights is not None:
+            shape = (num_tokens, topk_weights.shape[1])
+            combined_weights = torch.zeros(shape, dtype=torch.float32, device=x.device)
+        return combined_x, sums, combined_weights
+
+    def dispatch(self, inp: DispatchInput, config: Config, outputs) -> DispatchOutput:
         del config  # the cuda backend's knobs
         rank, size = self.rank, self.size
         local = torch.cat([inp.num_tokens_per_rank, inp.num_tokens_per_expert]).to(torch.int64)
@@ -93,7 +123,7 @@ class TorchExchange(Exchange):
         step = "dispatch: exchange tokens"
         received = _unpack(self.comm.all_to_all(step, _pack(pieces), counts), pieces)
         if worst:
-            received = [_pad_rows(t, worst) for t in received]
+            received = _fill(outputs, received)
         recv_src_idx = received.pop().squeeze(1)
         out = DispatchOutput.from_rows(received, inp, rank, size)
         per_rank = inp.num_experts // size
@@ -115,18 +145,18 @@ class TorchExchange(Exchange):
         )
         return out
 
-    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config):
+    def dispatch_cached(self, inp: DispatchInput, handle: DispatchHandle, config: Config, outputs):
         del config
         token = handle.backend_layout.send_token_idx
         x, x_scales = inp.x, inp.x_scales
         pieces = [x[token]] + ([x_scales[token]] if x_scales is not None else [])
         step = "dispatch (cached layout): exchange tokens"
         received = _unpack(self.comm.all_to_all(step, _pack(pieces), handle.counts()), pieces)
-        if handle.actual_num_recv_tokens is not None:
-            received = [_pad_rows(t, handle.recv_src_idx.shape[0]) for t in received]
+        if outputs is not None:
+            received = _fill(outputs, received)
         return received[0], (received[1] if x_scales is not None else None)
 
-    def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config):
+    def combine(self, x, handle: DispatchHandle, topk_weights, biases, config: Config, outputs):
         del config
         counts = handle.counts()
         num_recv = int(counts[:, self.rank].sum())
@@ -134,13 +164,7 @@ class TorchExchange(Exchange):
         # the way back: what each rank received from us is what it now sends us
         step = "combine: return tokens"
         returned = _unpack(self.comm.all_to_all(step, _pack(pieces), counts.t()), pieces)
-        num_tokens = handle.is_token_in_rank.shape[0]
-        out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        combined_weights = None
-        if topk_weights is not None:
-            combined_weights = torch.zeros(
-                num_tokens, topk_weights.shape[1], dtype=torch.float32, device=x.device
-            )
+        combined_x, out, combined_weights = outputs
         for b in biases:
             out += b.float()
         # One destination rank at a time, in rank order: within one, a token appears once, so
@@ -151,4 +175,4 @@ class TorchExchange(Exchange):
             out.index_add_(0, token, returned[0][begin:end].float())
             if combined_weights is not None:
                 combined_weights.index_add_(0, token, returned[1][begin:end])
-        return out.to(x.dtype), combined_weights
+        return combined_x.copy_(out), combined_weights

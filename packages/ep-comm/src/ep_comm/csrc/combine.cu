@@ -15,12 +15,19 @@ __device__ void return_rows(const CombineParams& p, const Group& g, int channel,
   const int64_t count = p.channel_counts[g.peer * num_channels + channel];
   const int64_t offset = receive_offset(p.channel_counts, num_channels, g.peer, channel);
   const int64_t x_bytes = int64_t(p.hidden) * 2, weight_bytes = int64_t(p.num_topk) * 4;
+  // After an overflow every row still goes back (the peers wait for them), as NaN: x was
+  // computed from poisoned rows, and the rows past x_rows were dropped.
+  const bool poisoned = overflowed(p.peers);
   for (int64_t done = 0; done < count;) {
     const int n = static_cast<int>(min(int64_t(p.rings.send_chunk), count - done));
     const bool ok = send_rows(g, p.peers, p.rings, kCombineSend, channel, n, shared_ok, shared_head, writer,
                               [&](uint8_t* slot, int i) {
                                 const int64_t row = offset + done + i;
-                                if (row >= p.x_rows) return;  // dropped by an overflow: poisoned
+                                if (poisoned || row >= p.x_rows) {
+                                  fill_row(slot, x_bytes, kBf16NaNPair, g.lane, 32);
+                                  if (weight_bytes) fill_row(slot + p.weights_offset, weight_bytes, kFp32NaN, g.lane, 32);
+                                  return;
+                                }
                                 copy_row(slot, p.x + row * x_bytes, x_bytes, g.lane, 32);
                                 if (weight_bytes)
                                   copy_row(slot + p.weights_offset, p.topk_weights + row * weight_bytes, weight_bytes,

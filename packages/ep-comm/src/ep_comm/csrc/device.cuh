@@ -75,9 +75,23 @@ __device__ bool wait_until(const Peers& peers, Step step, int peer, int channel,
   return true;
 }
 
+// This buffer dropped rows in a dispatch (now or earlier): what it returns in combine is poison.
+__device__ __forceinline__ bool overflowed(const Peers& peers) {
+  return *reinterpret_cast<volatile int*>(peers.base[peers.rank] + kOverflowedOffset);
+}
+
 __device__ __forceinline__ void record_overflow(const Peers& peers, int64_t received_rows) {
   atomicMax(peers.status + kStatusReceivedRows, static_cast<int>(received_rows));
   atomicExch(reinterpret_cast<int*>(peers.base[peers.rank] + kOverflowedOffset), 1);
+}
+
+constexpr uint32_t kBf16NaNPair = 0x7FC07FC0;  // the poison patterns (cuda_backend.POISON)
+constexpr uint32_t kFp32NaN = 0x7FC00000;
+
+// Fill `bytes` (a multiple of 4) with a 32-bit pattern, with `lanes` threads.
+__device__ __forceinline__ void fill_row(uint8_t* dst, int64_t bytes, uint32_t pattern, int lane, int lanes) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = lane; i < bytes / 4; i += lanes) words[i] = pattern;
 }
 
 // Copy `bytes` (a multiple of 4; of 16 for the wide path) with `lanes` threads; ring-side reads
