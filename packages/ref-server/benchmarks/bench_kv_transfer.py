@@ -131,7 +131,7 @@ def serve_prefill(config: ServeConfig) -> None:
 
 def check_pages(runner, targets: list[tuple[int, int]], sent: list[bytes]) -> None:
     for (index, block), data in zip(targets, sent, strict=True):
-        if runner.read_page(block).view(torch.int16).numpy().tobytes() != data:
+        if runner.read_page(block).numpy().tobytes() != data:
             raise MethodFailed(f"page {index} (block {block}) is not the prefill instance's")
 
 

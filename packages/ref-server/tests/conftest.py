@@ -22,7 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import ref_server.model as M
 from ref_server.client import Client
+from ref_server.model import StepBatch
 from ref_server.services.config import ServeConfig
 from ref_server.services.deployment import Deployment, free_port
 
@@ -147,11 +149,30 @@ def checkpoints() -> SimpleNamespace:
     return SimpleNamespace(write=write_checkpoint, config=hf_config, to_fp8_sharded=to_fp8_sharded)
 
 
+@torch.no_grad()
+def cached_logits(reference, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The reference's logits `[len(completion), vocab]` before each completion token, through
+    a paged cache as an engine computes them: the prompt's prefill, then a decode step a token
+    (for V3.2 with FP8 index keys, which the full pass does not quantize)."""
+    device = reference.embed_tokens.weight.device
+    pages = -(-(len(prompt) + len(completion)) // 16)
+    cache = M.PagedKVCache(reference.args, pages, 16, device=device)
+    table = torch.arange(pages, dtype=torch.int32)[None]
+    steps = [(prompt, len(prompt))]
+    steps += [([token], len(prompt) + i + 1) for i, token in enumerate(completion[:-1])]
+    rows = [
+        reference.forward_step(
+            StepBatch(torch.tensor(ids, device=device), [len(ids)], [n], table), cache
+        )
+        for ids, n in steps
+    ]
+    return torch.cat(rows).float().cpu()
+
+
 def near_greedy(reference, prompt: list[int], completion: list[int]) -> bool:
     """Each generated token is the reference's greedy choice, or within 3 % of the logit range
     of it (an expert-parallel instance moves its MoE rows in bf16)."""
-    ids = torch.tensor([prompt + completion], device=reference.embed_tokens.weight.device)
-    logits = reference(ids)[0, len(prompt) - 1 : -1].cpu()
+    logits = cached_logits(reference, prompt, completion)
     chosen = logits[torch.arange(len(completion)), completion]
     return bool((logits.max(dim=-1).values - chosen <= 0.03 * (logits.max() - logits.min())).all())
 
@@ -290,11 +311,24 @@ def serving():
 
 
 @pytest.fixture(scope="session")
-def tiny_deployment():
-    """One `--role all` deployment of the tiny preset that the serving tests share."""
-    running = Deployment(tiny_config(), startup_timeout=120)
-    yield running
-    running.stop()
+def deployment_of():
+    """deployment_of(preset): one `--role all` deployment of that preset (`tiny_config`'s
+    settings), started on first use and shared by the serving tests."""
+    running: dict[str, Deployment] = {}
+
+    def get(preset: str) -> Deployment:
+        if preset not in running:
+            running[preset] = Deployment(tiny_config(preset=preset), startup_timeout=120)
+        return running[preset]
+
+    yield get
+    for deployment in running.values():
+        deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_deployment(deployment_of):
+    return deployment_of("tiny")
 
 
 @pytest.fixture

@@ -344,26 +344,6 @@ def test_the_deployment_refuses_a_missing_cuda_before_it_starts_a_process(
     assert line == "ref-server serve: error: device cuda: this machine's torch sees no CUDA device"
 
 
-@pytest.mark.parametrize("model", ["--preset", "--model"])
-def test_the_deployment_refuses_deepseek_v32_before_it_starts_a_process(
-    model, checkpoints, tmp_path, monkeypatch, capsys, signal_handlers
-):
-    """Its instances would not move the indexer's keys with the KV pages."""
-    from ref_server.cli import main
-
-    def no_child(*args, **kwargs):
-        raise AssertionError(f"a child process started: {args}")
-
-    monkeypatch.setattr(subprocess, "Popen", no_child)
-    if model == "--model":
-        checkpoints.write(tmp_path, seed=1, v32=True)
-    chosen = [model, str(tmp_path) if model == "--model" else "v3.2-tiny"]
-    capsys.readouterr()  # transformers' progress bar
-    assert main(["serve", "--role", "all", "--device", "cpu", "--port", "0", *chosen]) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("ref-server serve: error: DeepSeek-V3.2 models (index_topk) do not")
-
-
 def test_the_cli_knows_the_model_presets():
     """config.PRESET_NAMES spells the presets without importing torch: it must stay equal to
     the model's."""

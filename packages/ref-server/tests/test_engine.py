@@ -141,9 +141,10 @@ def test_admission_limits_and_abort():
         SchedulerConfig(num_blocks=2, block_size=16, max_model_len=64)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return M.from_preset("tiny", seed=3)
+@pytest.fixture(scope="module", params=["tiny", "v3.2-tiny"])
+def tiny(request):
+    """V3's tiny model, and V3.2's, whose pages hold the indexer's keys too."""
+    return M.from_preset(request.param, seed=3)
 
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], list(range(2, 150)), [4] * 70]

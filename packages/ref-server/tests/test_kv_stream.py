@@ -1,5 +1,6 @@
 """KvPuller's gRPC stream against a KvTransfer server of this test's own (real gRPC on loopback),
-which sends pages as a prefill instance does, or damages one of them."""
+which sends pages as a prefill instance does, or damages one of them; for V3's tiny model and
+V3.2's, whose pages carry the indexer's keys and scales beside the latent rows."""
 
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ from ref_server.services.messages import page_message
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
-ARGS = M.PRESETS["tiny"]
 PAGES = 2 * STREAM_WRITE_PAGES + 1  # two whole batches and one page
+PRESETS = ["tiny", "v3.2-tiny"]
 
 
 class Pages(rpc.KvTransferServicer):
-    """Random pages under handle "h"; `damaged`: the index whose checksum is wrong; `sent`: how
-    many pages the stream carries before it ends (all by default)."""
+    """Random pages of the preset's cache (pages of 16) under handle "h"; `damaged`: the index
+    whose checksum is wrong; `sent`: how many pages the stream carries before it ends (all by
+    default)."""
 
-    def __init__(self, damaged: int | None = None, sent: int = PAGES) -> None:
-        g = torch.Generator().manual_seed(3)
-        shape = (ARGS.num_hidden_layers, 16, ARGS.cache_width)
-        self.pages = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(PAGES)]
+    def __init__(self, preset: str, damaged: int | None = None, sent: int = PAGES) -> None:
+        self.preset = preset
+        size = 16 * M.cache_bytes_per_token(M.PRESETS[preset])
+        self.pages = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(PAGES)]
         self.damaged, self.sent = damaged, sent
         self.released = 0
 
@@ -47,7 +49,8 @@ def pull(server: Pages) -> tuple[Engine, int | Exception]:
     """The server's pages pulled into blocks 20.. of a fresh engine's cache: (engine, the
     method or the error)."""
     engine = Engine(
-        M.from_preset("tiny"), SchedulerConfig(num_blocks=64, block_size=16, max_model_len=512)
+        M.from_preset(server.preset),
+        SchedulerConfig(num_blocks=64, block_size=16, max_model_len=512),
     )
 
     async def run():
@@ -68,21 +71,30 @@ def pull(server: Pages) -> tuple[Engine, int | Exception]:
     return engine, asyncio.run(run())
 
 
-def test_streamed_pages_land_in_their_blocks_in_batches():
-    server = Pages()
+@pytest.mark.parametrize("preset", PRESETS)
+def test_streamed_pages_land_in_their_blocks_in_batches(preset):
+    server = Pages(preset)
     engine, method = pull(server)
     assert method == GRPC and server.released == 1
     for index, page in enumerate(server.pages):
         assert torch.equal(engine.runner.read_page(20 + index), page), index
-    assert not engine.runner.read_page(20 + PAGES).any()
+    empty = M.PagedKVCache(M.PRESETS[preset], 1, 16).read_page(0)
+    assert torch.equal(engine.runner.read_page(20 + PAGES), empty)
+    cache, block, page = engine.runner.cache, 20 + PAGES - 1, server.pages[-1]
+    assert torch.equal(cache.layers[0][block].flatten().view(torch.uint8), page[: 16 * 1152])
+    if M.PRESETS[preset].is_sparse:  # then every layer's index keys, then their scales
+        scales = cache.index_keys[-1].scales[block]
+        assert torch.equal(scales.view(torch.uint8), page[-16 * 4 :])
 
 
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("damaged", [1, STREAM_WRITE_PAGES + 1, PAGES - 1])
-def test_a_damaged_page_fails_the_pull_after_every_write_ended(damaged):
+def test_a_damaged_page_fails_the_pull_after_every_write_ended(damaged, preset):
     """A page that fails its checksum in the first, a middle or the last batch: the pull is a
     TransferError naming it, the lease is released, and when it returns the pages before it in
     its batch are written and none after it: no write is still running."""
-    server = Pages(damaged)
+    server = Pages(preset, damaged)
+    empty = M.PagedKVCache(M.PRESETS[preset], 1, 16).read_page(0)
     engine, error = pull(server)
     assert isinstance(error, TransferError) and f"page {damaged} fails its checksum" in str(error)
     assert server.released == 1
@@ -92,16 +104,27 @@ def test_a_damaged_page_fails_the_pull_after_every_write_ended(damaged):
         if index < damaged:
             assert torch.equal(written, server.pages[index]), index
         else:
-            assert not written.any(), index
+            assert torch.equal(written, empty), index
 
 
-def test_a_stream_that_ends_short_fails_after_the_writes_in_flight_ended():
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_stream_that_ends_short_fails_after_the_writes_in_flight_ended(preset):
     """The stream ends one page early, while the batch before is being written: the pull
     fails naming the count, and when it returns that batch is whole in the cache."""
-    server = Pages(sent=PAGES - 1)
+    server = Pages(preset, sent=PAGES - 1)
     engine, error = pull(server)
     assert isinstance(error, TransferError)
     assert f"{PAGES - 1} pages came, {PAGES} were prefilled" in str(error)
     assert server.released == 1
     for index in range(PAGES - 1):
         assert torch.equal(engine.runner.read_page(20 + index), server.pages[index]), index
+
+
+def test_a_page_of_another_size_is_refused_before_any_write():
+    cache = M.PagedKVCache(M.PRESETS["v3.2-tiny"], 2, 16)
+    page = torch.randint(0, 256, (cache.page_bytes,), dtype=torch.uint8)
+    cache.write_page(1, page)
+    assert torch.equal(cache.read_page(1), page)
+    with pytest.raises(ValueError, match=rf"a page is \[{cache.page_bytes}\] uint8, got \(1152,\)"):
+        cache.write_page(0, page[:1152])
+    assert not cache.layers[0][0].any()

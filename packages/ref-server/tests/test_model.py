@@ -229,6 +229,19 @@ def test_prefill_flops_count_what_the_model_computes():
     )  # 3 x 5 more
 
 
+def test_prefill_flops_of_sparse_attention_count_the_picked_tokens_and_the_indexer():
+    """V3.2: each new token attends to at most index_topk tokens in the absorbed form (576-wide
+    scores, 512-wide values a head) and its indexer scores every token of its context (64
+    heads of 128 a layer): against a sum over the tokens, before, across and past the top-k."""
+    args = M.PRESETS["v3.2"]
+    layers, heads = args.num_hidden_layers, args.num_attention_heads
+    for new, cached in ((100, 0), (3000, 0), (1000, 1500), (500, 5000), (1, 100_000)):
+        contexts = range(cached + 1, cached + new + 1)
+        picked = sum(min(c, 2048) for c in contexts)
+        want = 2 * layers * (heads * (576 + 512) * picked + 64 * 128 * sum(contexts))
+        assert args.prefill_flops(new, cached) - args.matmul_flops(new) == want
+
+
 def test_presets_and_their_sizes():
     assert M.PRESETS["v3"].num_parameters() == pytest.approx(671e9, rel=0.01)
     assert M.PRESETS["v3"].num_parameters(active=True) == pytest.approx(37e9, rel=0.02)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ref_server.model as M
+from overlap_sched.executor import OpFailed
 from ref_server.model import StepBatch, attention, indexer
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
@@ -103,10 +104,9 @@ def test_chosen_tokens_match_transformers_in_prefill_and_decode(checkpoints, tmp
 
 def test_a_top_k_of_every_token_is_dense_attention(monkeypatch):
     """V3.2's tiny preset with a top-k past every sequence's length against the tiny preset:
-    the same weights (drawn by name from the seed), the indexer's aside. The torch paths take
-    7 queries at a time, so the prefill's 33 span several such parts."""
+    the same weights (drawn by name from the seed), the indexer's aside. The indexer's torch
+    selection takes 7 queries at a time, so the prefill's 33 span several such parts."""
     monkeypatch.setattr(indexer, "QUERY_ROWS_AT_ONCE", 7)
-    monkeypatch.setattr(attention, "QUERY_ROWS_AT_ONCE", 7)
     sparse = M.from_args(dataclasses.replace(M.PRESETS["v3.2-tiny"], index_topk=64), seed=5)
     dense = M.from_preset("tiny", seed=5)
     ids = torch.randint(2, 500, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -140,6 +140,77 @@ def test_a_token_outside_the_top_k_has_no_influence(monkeypatch):
     assert torch.equal(model.forward_step(decode, cache), clean)
     cache.layers[layer][picked[0] // 16, picked[0] % 16] = math.nan
     assert model.forward_step(decode, cache).isnan().all()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_tied_scores_pick_the_earlier_tokens_whatever_the_block_table_s_width(index_dtype):
+    """A score is exactly 0 where ReLU zeroes every head: of the tokens tied at the k-th place
+    the earliest are picked, with a block table of the sequence's pages or a wider one (a
+    server's and `generate`'s differ), so both give the same tokens. Unquantized keys scored in
+    torch, FP8 ones by the indexer's kernels."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    heads, n, topk = 4, 40, 8
+    keys = M.PagedKVCache(M.PRESETS["v3.2-tiny"], 4, 16, index_dtype=index_dtype).index_keys[0]
+    k = torch.randn(n, 128, generator=g)
+    positive = torch.randperm(n, generator=g)[:5]  # the only tokens that score above 0
+    k[:, 0] = -k[:, 0].abs()
+    k[positive, 0] *= -1
+    keys.write(k, torch.arange(n))
+    q = torch.zeros(1, heads, 128)
+    q[0, :, 0] = torch.rand(heads, generator=g) + 0.1
+    weights = torch.rand(1, heads, generator=g) + 0.1
+    stored = keys.rows(torch.arange(n))[:, 0]  # as the cache rounded them: equal ones tie too
+    zero = [p for p in range(n) if p not in positive.tolist()]
+    want = sorted(sorted(positive.tolist()), key=lambda p: -stored[p].item()) + zero[: topk - 5]
+    for width in (3, 4):  # 48 or 64 candidates for 40 tokens
+        table = torch.arange(width, dtype=torch.int32)[None]
+        slots = indexer.indexer_topk(
+            q.to(index_dtype), weights, keys, table, torch.tensor([n - 1]), topk
+        )
+        assert slots[0].tolist() == want, width
+
+
+def test_sparse_attention_runs_through_mla_kernels_backend_switch(monkeypatch):
+    """A cached step's sparse attention is mla_kernels' sparse MLA operator, in prefill and in
+    decode: its backend switch is read (a bad value is named), and its torch reference gives
+    the logits (recorded: one call per layer and step)."""
+    from mla_kernels import reference
+
+    model = M.from_preset("v3.2-tiny", seed=8)
+    calls = []
+    attend = reference.sparse_attention
+    monkeypatch.setattr(
+        reference, "sparse_attention", lambda q, *rest: calls.append(q.shape) or attend(q, *rest)
+    )
+    tokens = torch.randint(2, 500, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    model.generate([tokens], M.SamplingParams(max_tokens=2))
+    heads, layers = model.args.num_attention_heads, model.args.num_hidden_layers
+    assert calls == [(20, heads, 576)] * layers + [(1, heads, 576)] * layers
+    monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "fastest")
+    with pytest.raises(OpFailed, match=r"'L0\.attn\.core' .* MLA_KERNELS_SPARSE_BACKEND='fastest'"):
+        model.generate([tokens], M.SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_a_sparse_step_has_no_data_dependent_shape_nor_host_read(kind):
+    """A V3.2 step under fake tensors, whose values are unknown: a shape that depends on one,
+    or reading one on the host, raises. That is what lets a CUDA graph capture the decode
+    (`test_model_gpu.py` captures it on the GPU). Every layer dense: the experts' CPU path
+    selects rows by their count (their CUDA path, which graphs capture, does not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = dataclasses.replace(M.PRESETS["v3.2-tiny"], first_k_dense_replace=3)
+    model = M.from_args(args, seed=9, dtype=torch.bfloat16)
+    cache = M.PagedKVCache(args, 8, 16)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    if kind == "decode":
+        batch = StepBatch(torch.tensor([5, 6]), [1, 1], [21, 30], table)
+    else:
+        batch = StepBatch(torch.arange(2, 12), [4, 6], [20, 30], table)
+    metadata = batch.metadata(cache)
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        logits = model.run_step([(batch.input_ids, metadata)], cache, kind, low_latency=False)
+    assert logits.shape == (2, args.vocab_size)
 
 
 def test_fp8_index_keys_score_within_e4m3_rounding_of_exact_ones():

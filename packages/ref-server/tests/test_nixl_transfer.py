@@ -89,7 +89,7 @@ def test_a_decode_process_reads_the_leased_pages_into_its_reserved_blocks(tmp_pa
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("short", f"the peer offers 9 pages, 2 blocks x {LAYERS} layers"),
+        ("short", f"the peer offers 9 pages, 2 blocks x {LAYERS} page tensors"),
         ("unknown-peer", "no NIXL connection to 'elsewhere'"),
     ],
 )
@@ -132,8 +132,18 @@ def test_the_pages_of_a_cache_name_every_layer_of_each_block_in_order():
     rows = np.frombuffer(pages.rows, dtype="<i8").reshape(-1, 3)
     want = [(layer[b].data_ptr(), PAGE_BYTES, 0) for layer in kv.layers for b in (2, 0)]
     assert pages.kind == "DRAM" and [tuple(r) for r in rows.tolist()] == want
-    with pytest.raises(ValueError, match=r"blocks must be a non-empty list in \[0, 8\)"):
-        cache_pages(kv, [8])  # the padding block is no sequence's
+
+
+def test_a_v32_cache_s_pages_name_its_index_keys_and_scales_after_the_latent_rows():
+    args = M.PRESETS["v3.2-tiny"]
+    kv = M.PagedKVCache(args, 8, 16)
+    rows = np.frombuffer(cache_pages(kv, [2, 0]).rows, dtype="<i8").reshape(-1, 3)
+    tensors = kv.layers + [k.values for k in kv.index_keys] + [k.scales for k in kv.index_keys]
+    sizes = [PAGE_BYTES] * LAYERS + [16 * 128] * LAYERS + [16 * 4] * LAYERS
+    pairs = zip(tensors, sizes, strict=True)
+    want = [(t[b].data_ptr(), size, 0) for t, size in pairs for b in (2, 0)]
+    assert [tuple(r) for r in rows.tolist()] == want
+    assert 16 * M.cache_bytes_per_token(args) == sum(sizes) == 16 * LAYERS * (1152 + 132)
 
 
 def test_without_nixl_the_agent_says_how_to_get_it(monkeypatch):
@@ -162,10 +172,10 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
-def served_metrics(address: str, http_port: int, prompts: list[list[int]]) -> str:
+def served_metrics(address: str, http_port: int, prompts: list[list[int]], preset="tiny") -> str:
     """Each prompt's 8 greedy tokens through the router at address, asserted equal to a
-    one-process tiny model's (the deployments' seed); then the router's metrics text."""
-    reference = M.from_preset("tiny", seed=4)
+    one-process model's (the deployments' preset and seed); then the router's metrics text."""
+    reference = M.from_preset(preset, seed=4)
     with Client(address) as client:
         for prompt in prompts:
             want = reference.generate([prompt], M.SamplingParams(max_tokens=8))[0]
@@ -177,18 +187,21 @@ def served_metrics(address: str, http_port: int, prompts: list[list[int]]) -> st
 
 
 @needs_nixl
-def test_a_deployment_with_kv_transfer_nixl_serves_what_one_process_generates(serving, capfd):
+@pytest.mark.parametrize("preset", ["tiny", "v3.2-tiny"])
+def test_a_deployment_with_kv_transfer_nixl_serves_what_one_process_generates(
+    serving, capfd, preset
+):
     """`--kv-transfer nixl` on loopback (UCX, host memory): the tokens of a one-process model,
-    every page by NIXL (the router's per-method bytes), the agents met once (the decode
-    instance logs the way its pages come when it changes)."""
+    every page by NIXL (the router's per-method bytes: V3.2's with the index keys), the agents
+    met once (the decode instance logs the way its pages come when it changes)."""
     prompts = [list(range(2, 60)), [9] * 17, list(range(100, 230)), [5, 6, 7]]
-    running = Deployment(serving.config(kv_transfer="nixl"), startup_timeout=120)
+    running = Deployment(serving.config(kv_transfer="nixl", preset=preset), startup_timeout=120)
     try:
-        text = served_metrics(running.address, running.config.http_port, prompts)
+        text = served_metrics(running.address, running.config.http_port, prompts, preset)
     finally:
         running.stop()
     pages = sum(-(-len(prompt) // 16) for prompt in prompts)
-    page_bytes = LAYERS * PAGE_BYTES
+    page_bytes = 16 * M.cache_bytes_per_token(M.PRESETS[preset])
     assert metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}') == pages * page_bytes
     assert metric(text, 'ref_server_kv_transfer_bytes_total{method="grpc"}') == 0
     captured = capfd.readouterr()

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP API on the shared `--role all` deployment (the tiny
-preset on CPU), driven by the `openai` client as users drive it and by raw httpx where the
-wire format itself is the point (SSE framing, malformed bodies, disconnects). Outputs against
-one-process generation with the same weights."""
+preset on CPU; tests parametrized over `preset` also DeepSeek-V3.2's tiny one), driven by the
+`openai` client as users drive it and by raw httpx where the wire format itself is the point
+(SSE framing, malformed bodies, disconnects). Outputs against one-process generation with the
+same weights."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from ref_server.client import Client
 
 SEED = 4
 MODEL = "tiny"
+# Tests parametrized over these take `served(preset)`'s client and reference.
+over_presets = pytest.mark.parametrize("preset", ["tiny", "v3.2-tiny"])
 CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Why is the sky blue?"},
@@ -34,8 +37,28 @@ BIG_CHAT = [{"role": "user", "content": "x" * 520}]  # over the context limit of
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return M.from_preset("tiny", seed=SEED)
+def served(deployment_of):
+    """served(preset): an `openai` client of the shared deployment of that preset, and the
+    one-process model of its weights."""
+    clients, references = {}, {}
+
+    def get(preset: str):
+        if preset not in clients:
+            port = deployment_of(preset).config.http_port
+            clients[preset] = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+            )
+            references[preset] = M.from_preset(preset, seed=SEED)
+        return clients[preset], references[preset]
+
+    yield get
+    for client in clients.values():
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    return served(MODEL)[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +67,8 @@ def base_url(tiny_deployment) -> str:
 
 
 @pytest.fixture(scope="module")
-def oai(base_url):
-    with openai.OpenAI(
-        base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60
-    ) as client:
-        yield client
+def oai(served):
+    return served(MODEL)[0]
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +146,14 @@ def printable_piece(text: str, length: int, start: int = 3) -> str:
 # ---------------------------------------------------------------- completions
 
 
+@over_presets
 @pytest.mark.parametrize(("prompt", "max_tokens"), [([5, 6, 7], 12), (list(range(60, 80)), 24)])
-def test_a_completion_of_token_ids_is_greedy_generation(oai, reference, prompt, max_tokens):
+def test_a_completion_of_token_ids_is_greedy_generation(served, preset, prompt, max_tokens):
+    oai, reference = served(preset)
     want, text = generated(reference, prompt, max_tokens)
     before = time.time()
-    got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
-    assert got.id.startswith("cmpl-") and got.object == "text_completion" and got.model == MODEL
+    got = oai.completions.create(model=preset, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    assert got.id.startswith("cmpl-") and got.object == "text_completion" and got.model == preset
     assert before - 5 <= got.created <= time.time() + 1
     assert [c.index for c in got.choices] == [0]
     assert got.choices[0].text == text
@@ -249,20 +271,24 @@ def test_chat_is_greedy_generation_of_the_chat_template(oai, reference):
         assert got.usage.prompt_tokens_details.cached_tokens == (0 if i == 0 else 16 * pages)
 
 
+@over_presets
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-def test_chat_honours_either_token_limit(oai, reference, field):
+def test_chat_honours_either_token_limit(served, preset, field):
+    oai, reference = served(preset)
     ids = chat_ids(reference.tokenizer, STORY)
     limit = 7 if field == "max_tokens" else 11
     want, text = generated(reference, ids, limit)
-    got = oai.chat.completions.create(model=MODEL, messages=STORY, temperature=0, **{field: limit})
+    got = oai.chat.completions.create(model=preset, messages=STORY, temperature=0, **{field: limit})
     assert got.choices[0].message.content == text
     assert got.choices[0].finish_reason == "length"
     assert got.usage.completion_tokens == len(want) == limit
 
 
+@over_presets
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-def test_streamed_text_is_the_non_streamed_text(oai, kind):
-    sampling = dict(model=MODEL, max_tokens=32, temperature=0.8, seed=11)
+def test_streamed_text_is_the_non_streamed_text(served, preset, kind):
+    oai = served(preset)[0]
+    sampling = dict(model=preset, max_tokens=32, temperature=0.8, seed=11)
     if kind == "completions":
         whole = oai.completions.create(prompt="stream me", **sampling)
         stream = oai.completions.create(prompt="stream me", stream=True, **sampling)

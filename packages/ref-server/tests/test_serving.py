@@ -17,11 +17,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ref_server.model as M
 from ref_server.balance import write_placement
 from ref_server.client import Client, request
+from ref_server.engine import Engine, SchedulerConfig
 from ref_server.services.deployment import Deployment, free_port, serve_command, wait_serving
 from ref_server.services.metrics import Metrics
 from ref_server.services.router import Finished, Router
@@ -32,6 +34,7 @@ from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
 SEED = 4
+SERVED_PRESETS = ["tiny", "v3.2-tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +78,61 @@ def client(request):
 PLAIN_AND_SPECULATIVE = pytest.mark.parametrize("client", ["plain", "mtp"], indirect=True)
 
 
-@PLAIN_AND_SPECULATIVE
-def test_greedy_output_equals_one_process_generation(client, reference):
+@pytest.mark.parametrize("preset", [*SERVED_PRESETS, "tiny+mtp"])
+def test_greedy_output_equals_one_process_generation(request, deployment_of, preset):
+    """Prefill and decode in two instances, the KV pages streamed between them (V3.2's with the
+    indexer's keys; tiny+mtp: the MTP layer's rows too, and decoding speculatively): the tokens
+    of one process, and of one engine (prefill and decode in one instance, pages of the
+    deployment's size)."""
+    name = preset.removesuffix("+mtp")
+    reference = M.from_preset(name, seed=SEED)
+    if name == preset:
+        running = deployment_of(preset)
+    else:
+        running = request.getfixturevalue("speculative_deployment")
+    config = running.config
+    pages = SchedulerConfig(num_blocks=96, block_size=config.block_size, max_model_len=512)
+    engine = Engine(reference, pages)
     prompts = [[5, 6, 7], list(range(2, 60)), [9] * 17, list(range(100, 230))]
-    for prompt, max_tokens in zip(prompts, (1, 5, 16, 30), strict=True):
-        want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-        got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=60)
-        assert got.token_ids == want
-        assert got.usage.prompt_tokens == len(prompt)
-        assert got.usage.completion_tokens == len(want)
-        assert got.finish_reason == ("length" if len(want) == max_tokens else "stop")
+    with Client(running.address) as client:
+        for prompt, max_tokens in zip(prompts, (1, 5, 16, 30), strict=True):
+            params = M.SamplingParams(max_tokens=max_tokens)
+            want = reference.generate([prompt], params)[0]
+            assert engine.generate([prompt], params)[0] == want
+            got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=60)
+            assert got.token_ids == want
+            assert got.usage.prompt_tokens == len(prompt)
+            assert got.usage.completion_tokens == len(want)
+            assert got.finish_reason == ("length" if len(want) == max_tokens else "stop")
+
+
+@pytest.mark.parametrize("v32", [False, True], ids=["v3", "v3.2"])
+def test_a_checkpoint_serves_what_it_generates_in_one_process(checkpoints, tmp_path, serving, v32):
+    """`--model DIR` of a DeepSeek-V3 or V3.2 checkpoint in transformers' layout (V3's config
+    names an MTP module its weights lack; V3.2's indexer picks 8 tokens): the deployment's
+    greedy tokens are those of the checkpoint in one process, and the router counts the bytes
+    of the pages the instances' caches hold (V3.2's index keys in, no MTP layer)."""
+    checkpoints.write(tmp_path, seed=1, v32=v32)
+    reference = M.from_pretrained(tmp_path, dtype=torch.float32)  # as an instance on the CPU
+    assert reference.args.is_sparse == v32 and reference.args.num_nextn_predict_layers == 0
+    prompts = [[5, 6, 7], list(range(2, 60)), list(range(100, 230))]
+    running = Deployment(serving.config(model=str(tmp_path)), startup_timeout=120)
+    try:
+        with Client(running.address) as client:
+            for prompt in prompts:
+                want = reference.generate([prompt], M.SamplingParams(max_tokens=12))[0]
+                got = client.generate(prompt, temperature=0, max_tokens=12, timeout=60)
+                assert got.token_ids == want
+        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        running.stop()
+    pages = sum(-(-len(prompt) // 16) for prompt in prompts)
+    page_bytes = M.PagedKVCache(reference.args, 1, 16).page_bytes
+    moved = 'ref_server_kv_transfer_bytes_total{method="grpc"} '
+    assert [float(line.split()[-1]) for line in text.splitlines() if line.startswith(moved)] == [
+        pages * page_bytes
+    ]
 
 
 def test_a_request_without_a_deadline_succeeds(client, tiny_deployment, reference):
@@ -232,10 +280,15 @@ def test_aborts_right_after_the_first_chunk_leave_nothing_running(tiny_deploymen
     serving.wait_idle(client, timeout=30)
 
 
-def test_a_repeated_prefix_is_reported_and_skipped(client, reference):
+@pytest.mark.parametrize("preset", SERVED_PRESETS)
+def test_a_repeated_prefix_is_reported_and_skipped(deployment_of, preset):
+    """The second prompt's first four pages come from the instances' prefix caches (V3.2's
+    index keys with them), its tokens still one process's."""
+    reference = M.from_preset(preset, seed=SEED)
     prefix = list(range(300, 364))  # four 16-token pages
-    first = client.generate([*prefix, 7], temperature=0, max_tokens=4, timeout=60)
-    second = client.generate([*prefix, 8, 9], temperature=0, max_tokens=4, timeout=60)
+    with Client(deployment_of(preset).address) as client:
+        first = client.generate([*prefix, 7], temperature=0, max_tokens=4, timeout=60)
+        second = client.generate([*prefix, 8, 9], temperature=0, max_tokens=4, timeout=60)
     assert first.usage.cached_tokens == 0
     assert second.usage.cached_tokens == 64
     want = reference.generate([[*prefix, 8, 9]], M.SamplingParams(max_tokens=4))[0]
@@ -504,11 +557,15 @@ def test_instances_of_two_ranks_serve_from_every_rank(reference, serving):
     serving.instances_of_two_ranks(serving.config(ranks=2), reference)
 
 
-def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(reference, serving):
-    """Every step of two tokens or more runs as two overlapped microbatches on both ranks."""
+@pytest.mark.parametrize("preset", SERVED_PRESETS)
+def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(serving, preset):
+    """Every step of two tokens or more runs as two overlapped microbatches on both ranks (for
+    V3.2, a prefill cut inside a sequence reads the index keys its first part wrote)."""
     config = serving.config(
-        ranks=2, two_batch="on", two_batch_decode_tokens=2, two_batch_prefill_tokens=2
-    )
+        preset=preset, ranks=2, two_batch="on", two_batch_decode_tokens=2,
+        two_batch_prefill_tokens=2,
+    )  # fmt: skip
+    reference = M.from_preset(preset, seed=SEED)
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
 

@@ -79,17 +79,22 @@ def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
-def test_kv_read_through_nixl_from_gpu_memory_gives_the_tokens_of_cuda_ipc(serving, capfd):
-    """Two tiny deployments on the GPU, `--kv-transfer cuda_ipc` and `--kv-transfer nixl`:
-    the same greedy tokens for prompts that end inside, at and past a page, every page's bytes
-    under its method, and under nixl both agents registered the cache in GPU memory."""
+HAS_NIXL = importlib.util.find_spec("nixl") is not None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "v3.2-tiny"])
+def test_kv_through_cuda_ipc_and_nixl_gives_the_tokens_of_one_engine(serving, capfd, preset):
+    """Deployments on the GPU with `--kv-transfer cuda_ipc` and, where nixl is installed,
+    `--kv-transfer nixl`: the greedy tokens of one engine of the instances' settings (prefill
+    and decode in one process) for prompts that end inside, at and past a page, every page's
+    bytes under its method (V3.2's with the indexer's keys and scales), and under nixl both
+    agents registered the cache in GPU memory."""
     prompts = [list(range(2, 60)), [9] * 16, list(range(100, 230)), [5, 6, 7]]
-    page_bytes = M.PRESETS["tiny"].num_hidden_layers * 16 * M.PRESETS["tiny"].cache_width * 2
+    page_bytes = 16 * M.cache_bytes_per_token(M.PRESETS[preset])
     pages = sum(-(-len(prompt) // 16) for prompt in prompts)
     tokens = {}
-    for method in ("cuda_ipc", "nixl"):
-        config = serving.config(seed=SEED, device="cuda", kv_transfer=method)
+    for method in ("cuda_ipc", "nixl") if HAS_NIXL else ("cuda_ipc",):
+        config = serving.config(preset=preset, seed=SEED, device="cuda", kv_transfer=method)
         deployment = Deployment(config, startup_timeout=300)
         try:
             with Client(deployment.address) as client:
@@ -106,12 +111,18 @@ def test_kv_read_through_nixl_from_gpu_memory_gives_the_tokens_of_cuda_ipc(servi
             float(line.split()[-1]) for line in text.splitlines() if line.startswith(moved)
         ] == [pages * page_bytes], text
         assert 'method="grpc"' not in text
-    assert tokens["nixl"] == tokens["cuda_ipc"]
-    assert all(len(t) == 12 for t in tokens["nixl"])
-    logged = "".join(capfd.readouterr())
-    assert logged.count("holds the KV cache: ") == 2, logged[-3000:]  # prefill's and decode's
-    assert logged.count(" MiB of VRAM") == 2
-    assert logged.count("comes by a NIXL read (--kv-transfer nixl)") == 1
+    model = M.from_preset(preset, seed=SEED, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(
+        model, scheduler_config(config), prefill_graph_tokens=config.prefill_graph_tokens
+    )
+    params = M.SamplingParams(max_tokens=12)
+    assert tokens["cuda_ipc"] == [engine.generate([prompt], params)[0] for prompt in prompts]
+    if HAS_NIXL:
+        assert tokens["nixl"] == tokens["cuda_ipc"]
+        logged = "".join(capfd.readouterr())
+        assert logged.count("holds the KV cache: ") == 2, logged[-3000:]  # prefill's and decode's
+        assert logged.count(" MiB of VRAM") == 2
+        assert logged.count("comes by a NIXL read (--kv-transfer nixl)") == 1
 
 
 class SlowCopy(KvPuller):

@@ -126,7 +126,7 @@ class Engine:
         return seq.block_table[: -(-seq.num_computed // self.scheduler.config.block_size)]
 
     def pages(self, request_id: str, start: int = 0, stop: int | None = None) -> list[torch.Tensor]:
-        """A held sequence's computed pages `start:stop`, each `[layers, page_size, 576]` (CPU)."""
+        """A held sequence's computed pages `start:stop`, as bytes (`ModelRunner.read_page`)."""
         return [self.runner.read_page(b) for b in self.held_blocks(request_id)[start:stop]]
 
     def release(self, request_id: str) -> bool:

@@ -370,9 +370,9 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
 
     def read_page(self, block: int) -> torch.Tensor:
-        """One page of every layer, `[layers, page_size, 576]` in the cache dtype (CPU)."""
-        return torch.stack([layer[block, :, 0] for layer in self.cache.layers]).cpu()
+        """One page's bytes (`PagedKVCache.read_page`: every layer's latent rows, and a sparse
+        model's index keys)."""
+        return self.cache.read_page(block)
 
     def write_page(self, block: int, data: torch.Tensor) -> None:
-        for layer, rows in zip(self.cache.layers, data, strict=True):
-            layer[block, :, 0] = rows.to(layer.device)
+        self.cache.write_page(block, data)

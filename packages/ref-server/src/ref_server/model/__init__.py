@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ref_server.model.args import PRESETS, ModelArgs
-from ref_server.model.cache import PagedKVCache
+from ref_server.model.cache import PagedKVCache, cache_bytes_per_token
 from ref_server.model.checkpoint import (
     CheckpointError,
     init_random,
@@ -205,6 +205,7 @@ __all__ = [
     "PrefillGraphs",
     "SamplingParams",
     "StepBatch",
+    "cache_bytes_per_token",
     "from_preset",
     "from_pretrained",
 ]

@@ -17,7 +17,6 @@ queries attend to the chosen latent rows (`sparse_attention`).
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ from ref_server.kernels.latent import cache_latent
 from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 from ref_server.model.fp8 import FP8Linear
-from ref_server.model.indexer import QUERY_ROWS_AT_ONCE, Indexer, indexer_topk
+from ref_server.model.indexer import Indexer, indexer_topk
 from ref_server.model.layers import FusedLinear, RMSNorm, rotate
 
 
@@ -215,7 +214,7 @@ class Attention(nn.Module):
         slots = indexer_topk(
             index_q, index_weights, index_keys, tables, step.positions, a.index_topk
         )
-        out = sparse_attention(q, cache, slots, a.kv_lora_rank, a.softmax_scale)
+        out = sparse_attention(q, cache, slots, a.softmax_scale)
         return self._values(out)
 
     def _prefill_from_cache(self, q, cache, step):
@@ -343,19 +342,18 @@ class Attention(nn.Module):
         return values.flatten(1)
 
 
-def sparse_attention(q, cache, slots, head_dim_v: int, softmax_scale: float) -> torch.Tensor:
+def sparse_attention(q, cache, slots, softmax_scale: float) -> torch.Tensor:
     """Absorbed queries q `[n, heads, 576]` over the cache `[blocks, page, 1, 576]` rows at
     slots `[n, topk]` (block * page + offset; -1: none), each query over its own:
-    `[n, heads, head_dim_v]` in q's dtype, values the rows' first head_dim_v columns. Plain
-    torch, where mla_kernels' sparse MLA plugs in. Every query needs one valid slot."""
-    out = []
-    for first in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
-        part = slice(first, first + QUERY_ROWS_AT_ONCE)
-        rows = cache.flatten(0, 2)[slots[part].clamp(min=0)].float()  # [rows, topk, 576]
-        logits = torch.einsum("nhd,nkd->nhk", q[part].float(), rows) * softmax_scale
-        logits = logits.masked_fill(slots[part].unsqueeze(1) < 0, -math.inf)
-        out.append(torch.einsum("nhk,nkd->nhd", logits.softmax(-1), rows[..., :head_dim_v]))
-    return torch.cat(out).to(q.dtype)
+    `[n, heads, 512]` in q's dtype, values the rows' first 512 columns (0 for a query without
+    a valid slot). Through mla_kernels' sparse MLA operator, which both of its sparse calls
+    (decode's `flash_mla_with_kvcache(..., indices=)`, prefill's `flash_mla_sparse_fwd`) run
+    over the cache's rows, so that its backend switch (MLA_KERNELS_SPARSE_BACKEND) reaches
+    the model; called directly because those calls take bf16 queries only, and a model's cache
+    may be fp16 too."""
+    rows = cache.view(-1, cache.shape[-1])
+    out, _, _ = torch.ops.mla_kernels.sparse_mla(q, rows, slots.int(), softmax_scale, False)
+    return out
 
 
 @dataclass

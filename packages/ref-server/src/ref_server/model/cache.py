@@ -5,8 +5,9 @@ A cache row holds one token of one layer as mla_kernels lays it out: the normali
 `page_size` tokens; which pages a sequence owns is the caller's business (the engine's block
 manager, or `generate`'s contiguous allocation), given as a block table. A DeepSeek-V3.2
 model's layers also cache their lightning indexer's key of each token (`IndexKeys`), in a
-tensor of their own with the same pages and slots. A model with an MTP module
-(`ref_server.model.mtp`) has one more layer here, after its own.
+tensor of their own with the same pages and slots: a page is its block in every tensor that
+`PagedKVCache.page_tensors` lists, and moves between caches as those blocks' bytes. A model
+with an MTP module (`ref_server.model.mtp`) has one more layer here, after its own.
 """
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ class IndexKeys:
         """The keys at slots (any shape) `[*slots.shape, index_head_dim]`, float32."""
         values = self.values.flatten(0, 1)[slots].float()
         return values * self.scales.flatten()[slots].unsqueeze(-1)
+
+
+def cache_bytes_per_token(
+    args: ModelArgs, dtype: torch.dtype = torch.bfloat16, index_dtype: torch.dtype = FP8
+) -> int:
+    """What one token takes in a `PagedKVCache` of these dtypes, all layers together (the MTP
+    module's too): its latent row and, in a sparse model, its index key and the key's float32
+    scale (132 bytes a layer beside the latent's 1,152 at index_head_dim 128 in FP8 and bf16)."""
+    per_layer = args.cache_width * dtype.itemsize
+    if args.is_sparse:
+        per_layer += args.index_head_dim * index_dtype.itemsize + torch.float32.itemsize
+    return (args.num_hidden_layers + args.num_nextn_predict_layers) * per_layer
 
 
 class PagedKVCache:
@@ -100,3 +113,35 @@ class PagedKVCache:
     @property
     def dtype(self) -> torch.dtype:
         return self.layers[0].dtype
+
+    @property
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds pages, indexed by block first: each layer's latent rows,
+        then, in a sparse model, each layer's index keys and their scales."""
+        keys = [k for k in self.index_keys if k is not None]
+        return self.layers + [k.values for k in keys] + [k.scales for k in keys]
+
+    @property
+    def page_bytes(self) -> int:
+        """The bytes of one page (one block of every page tensor)."""
+        return sum(t[0].nbytes for t in self.page_tensors)
+
+    def read_page(self, block: int) -> torch.Tensor:
+        """Block `block` of every page tensor in turn, as bytes: `[page_bytes]` uint8 (CPU)."""
+        return torch.cat([_bytes(t[block]) for t in self.page_tensors]).cpu()
+
+    def write_page(self, block: int, data: torch.Tensor) -> None:
+        """`read_page`'s bytes into block `block`."""
+        if data.shape != (self.page_bytes,) or data.dtype != torch.uint8:
+            raise ValueError(
+                f"a page is [{self.page_bytes}] uint8, got {tuple(data.shape)} {data.dtype}"
+            )
+        tensors = self.page_tensors
+        parts = data.split([t[0].nbytes for t in tensors])
+        for tensor, part in zip(tensors, parts, strict=True):
+            _bytes(tensor[block]).copy_(part)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, a view `[nbytes]` uint8."""
+    return x.reshape(-1).view(torch.uint8)

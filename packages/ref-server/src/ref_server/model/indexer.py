@@ -18,8 +18,8 @@ are unchanged, and it spreads outlying channels over all of them, so one scale a
 less. `transformers` keeps the keys unquantized with no transform; so does the full pass
 (`Indexer.forward`).
 
-`indexer_topk` is the cached path's selection over the cache in plain torch, where a GPU
-kernel of the same contract plugs in.
+`indexer_topk` is the cached path's selection over the cache: FP8 keys scored by the indexer's
+kernels (`ref_server/kernels/indexer.py`), unquantized ones in plain torch.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ref_server.kernels.fp8_cast import quantize_activations
+from ref_server.kernels.indexer import cache_slots, index_logits_paged
 from ref_server.kernels.rope import rope_into
 from ref_server.model.args import ModelArgs
 
-# The plain-torch paths gather per query: keys `[rows, context, index_head_dim]` here, latent
-# rows `[rows, topk, 576]` in `attention.sparse_attention`, so many queries at a time.
+# The selection scores and sorts `[rows, context]` at a time (the plain-torch scores of
+# unquantized keys gather `[rows, context, index_head_dim]`): so many query rows at a time.
 QUERY_ROWS_AT_ONCE = 256
 
 
@@ -106,21 +107,41 @@ def indexer_topk(q, weights, index_keys, block_table, positions, topk: int) -> t
     """The cache slots of each query token's top-k tokens: q `[n, heads, width]` (e4m3 over FP8
     keys, its scales in weights) and weights `[n, heads]` float32 (`Indexer.cache_step`'s) over
     `index_keys` (`cache.IndexKeys`), the query's sequence's pages block_table `[n, max_blocks]`
-    int32 and its position `[n]` int64: slots `[n, topk]` int64 (block * page + offset), best
-    first, -1 past a query's position + 1 tokens."""
+    int32 and its position `[n]` int64: slots `[n, topk]` int32 (block * page + offset), best
+    first, -1 past a query's position + 1 tokens. Among equal scores the earlier token comes
+    first: scores tie exactly where ReLU zeroes every head, and the picks must not depend on how
+    wide the block table is (a server's and `generate`'s differ), as torch.topk's would.
+
+    FP8 keys are scored by `ref_server::index_logits_paged` (`kernels/indexer.py`: its torch
+    reference, or its Triton kernel with REF_SERVER_INDEXER_TRITON=1 on CUDA), each query as a
+    sequence of its own; unquantized ones in plain torch."""
     page = index_keys.page_size
     length = block_table.shape[1] * page
-    candidates = torch.arange(length, device=q.device)
     chosen = []
     for first in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
         part = slice(first, first + QUERY_ROWS_AT_ONCE)
-        slots = block_table[part, candidates // page].long() * page + candidates % page
-        keys = index_keys.rows(slots)  # [rows, length, width]
-        scores = index_scores(q[part, None], weights[part, None], keys).squeeze(-2)
-        scores = scores.masked_fill(candidates > positions[part, None], -math.inf)
-        best = scores.topk(min(topk, length))
-        chosen.append(slots.gather(1, best.indices).masked_fill(best.values == -math.inf, -1))
+        scores = _scores(q[part], weights[part], index_keys, block_table[part], positions[part])
+        values, order = scores.sort(descending=True, stable=True)
+        order = order[:, :topk].int().masked_fill(values[:, :topk] == -math.inf, -1)
+        chosen.append(cache_slots(order, block_table[part], page))
     return F.pad(torch.cat(chosen), (0, max(topk - length, 0)), value=-1)
+
+
+def _scores(q, weights, index_keys, block_table, positions) -> torch.Tensor:
+    """`[n, max_blocks * page]` float32: each query's score of every position its block table
+    holds, -inf past its own."""
+    if index_keys.is_fp8:
+        seqlens = (positions + 1).int()
+        logits = index_logits_paged(
+            q.unsqueeze(1), weights.unsqueeze(1), index_keys.values, index_keys.scales,
+            block_table, seqlens,
+        )  # fmt: skip
+        return logits.squeeze(1)
+    page = index_keys.page_size
+    candidates = torch.arange(block_table.shape[1] * page, device=q.device)
+    slots = block_table[:, candidates // page].long() * page + candidates % page
+    scores = index_scores(q[:, None], weights[:, None], index_keys.rows(slots)).squeeze(-2)
+    return scores.masked_fill(candidates > positions[:, None], -math.inf)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

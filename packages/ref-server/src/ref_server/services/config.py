@@ -50,7 +50,7 @@ class ServeConfig:
     )
     preset: str = _setting("tiny", "random weights of this preset, unless --model is given")
     model: str | None = _setting(
-        None, "a Hugging Face DeepSeek-V3 checkpoint directory to load instead of a preset"
+        None, "a Hugging Face DeepSeek-V3 or V3.2 checkpoint directory to load instead of a preset"
     )
     seed: int = _setting(0, "seed of a preset's random weights")
     served_model_name: str | None = _setting(

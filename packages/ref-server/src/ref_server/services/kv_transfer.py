@@ -85,12 +85,13 @@ def new_cache_id() -> str:
 
 
 def shared_cache(cache: PagedKVCache, cache_id: str) -> pb.SharedCache:
-    """The prefill side: IPC handles of each layer (none for a cache in host memory)."""
+    """The prefill side: IPC handles of each page tensor (`PagedKVCache.page_tensors`; none
+    for a cache in host memory)."""
     message = pb.SharedCache(cache_id=cache_id, host_id=host_id())
     if cache.device.type == "cuda":
-        for layer in cache.layers:
+        for tensor in cache.page_tensors:
             (_, size, stride, offset, _, dtype, device, handle, nbytes, byte_offset, _) = (
-                fields := reduce_tensor(layer)[1]
+                fields := reduce_tensor(tensor)[1]
             )[:11]
             counter_handle, counter_offset, event_handle, event_sync = fields[11:]
             message.layers.add(
@@ -161,8 +162,7 @@ class KvPuller:
         self.runner = runner
         self.secret = secret
         self.method = method
-        cache = runner.cache  # its layers: the model's, and the MTP module's if it has one
-        self.page_shape = (len(cache.layers), cache.page_size, runner.model.args.cache_width)
+        self.page_shape = (runner.cache.page_bytes,)
         self.peers: dict[str, grpc.aio.Channel] = {}
         self.pulling: Counter[grpc.aio.Channel] = Counter()  # pulls under way on each channel
         self.mapped: dict[str, tuple[str, list[torch.Tensor]] | None] = {}  # None: not shareable
@@ -329,10 +329,12 @@ class KvPuller:
             raise ValueError(f"{len(located.blocks)} pages located, {num_pages} were prefilled")
 
         rows = np.frombuffer(located.nixl_pages.rows, dtype="<i8")
-        layers = len(self.runner.cache.layers)
-        if rows.size != layers * num_pages * 3:
-            raise ValueError(f"{rows.size // 3} page descriptors for {layers} x {num_pages} pages")
-        wanted = rows.reshape(layers, num_pages, 3)[:, [index for index, _ in targets]]
+        tensors = len(self.runner.cache.page_tensors)
+        if rows.size != tensors * num_pages * 3:
+            raise ValueError(
+                f"{rows.size // 3} page descriptors for {tensors} page tensors x {num_pages} pages"
+            )
+        wanted = rows.reshape(tensors, num_pages, 3)[:, [index for index, _ in targets]]
         pages = Pages(located.nixl_pages.kind, np.ascontiguousarray(wanted).tobytes())
         blocks = [block for _, block in targets]
         try:
@@ -454,13 +456,16 @@ class KvPuller:
         await asyncio.to_thread(self._copy_blocks, mapped[1], source, [b for _, b in targets])
         return CUDA_IPC
 
-    def _copy_blocks(self, layers: list[torch.Tensor], source: list[int], target: list[int]):
+    def _copy_blocks(self, mapped: list[torch.Tensor], source: list[int], target: list[int]):
+        """Blocks `source` of the prefill cache's page tensors into blocks `target` of ours."""
         cache = self.runner.cache
-        src = torch.tensor(source, device=layers[0].device)
+        src = torch.tensor(source, device=mapped[0].device)
         dst = torch.tensor(target, device=cache.device)
-        for mapped, layer in zip(layers, cache.layers, strict=True):
-            layer.index_copy_(0, dst, mapped.index_select(0, src).to(cache.device))
-        for device in {layers[0].device, cache.device}:  # done before the lease is checked
+        if len(mapped) != len(cache.page_tensors):
+            raise ValueError(f"{len(mapped)} shared page tensors, {len(cache.page_tensors)} here")
+        for theirs, ours in zip(mapped, cache.page_tensors, strict=True):
+            ours.index_copy_(0, dst, theirs.index_select(0, src).to(cache.device))
+        for device in {mapped[0].device, cache.device}:  # done before the lease is checked
             torch.cuda.current_stream(device).synchronize()
 
     async def _map(self, transfer) -> tuple[str, list[torch.Tensor]] | None:

@@ -92,7 +92,7 @@ def sampling_message(params: SamplingParams) -> pb.SamplingParams:
 
 
 def page_message(index: int, page: torch.Tensor, kv_handle: str) -> pb.KvPage:
-    """A `[layers, page_size, width]` page as bytes, with its checksum."""
+    """A page (`PagedKVCache.read_page`'s bytes, or any tensor) as bytes, with its checksum."""
     data = page.contiguous().view(WORDS[page.element_size()]).numpy().tobytes()
     dtype = str(page.dtype).removeprefix("torch.")
     return pb.KvPage(

@@ -10,7 +10,7 @@ Descriptors cross as `Pages`: the memory kind and packed int64 rows (address, by
 never as NIXL's pickled lists, which would run a peer's pickle.
 
     source = NixlCache(prefill_cache)                   # the prefill instance
-    pages = source.pages([3, 1, 5])                     # its leased blocks, every layer
+    pages = source.pages([3, 1, 5])                     # its leased blocks, every page tensor
     reader = NixlCache(decode_cache)                    # the decode instance
     peer = reader.connect(source.metadata())            # once per pair
     reader.read(peer, pages, [0, 2, 4], timeout=60.0)   # blocks reserved here, same order
@@ -60,7 +60,8 @@ def _agent(name: str):
 @dataclass(frozen=True)
 class Pages:
     """Pages of one cache, as a peer reads them: kind "DRAM" (host) or "VRAM" (a GPU) and rows
-    `[n, 3]` int64 (address, bytes, device id), layer by layer, each layer's blocks in order."""
+    `[n, 3]` int64 (address, bytes, device id), page tensor by page tensor
+    (`PagedKVCache.page_tensors`), each one's blocks in order."""
 
     kind: str
     rows: bytes
@@ -81,16 +82,14 @@ class Pages:
 
 
 def cache_pages(cache: PagedKVCache, blocks: list[int]) -> Pages:
-    """`blocks`' pages in every layer of `cache`, layer by layer, as a peer reads them."""
-    page = cache.layers[0][0]
-    size = page.numel() * page.element_size()
+    """`blocks`' pages in every page tensor of `cache`, tensor by tensor, as a peer reads them."""
     if not blocks or any(not 0 <= b < cache.num_blocks for b in blocks):
         raise ValueError(
             f"blocks must be a non-empty list in [0, {cache.num_blocks}), got {blocks}"
         )
     kind = "VRAM" if cache.device.type == "cuda" else "DRAM"
     device = (cache.device.index or 0) if kind == "VRAM" else 0
-    rows = [(layer[b].data_ptr(), size, device) for layer in cache.layers for b in blocks]
+    rows = [(t[b].data_ptr(), t[b].nbytes, device) for t in cache.page_tensors for b in blocks]
     return Pages(kind, np.asarray(rows, dtype="<i8").tobytes())
 
 
@@ -102,12 +101,12 @@ class NixlCache:
         self.name = name or f"ref-server-{uuid.uuid4().hex}"
         self.agent = _agent(self.name)
         self.kind = "VRAM" if cache.device.type == "cuda" else "DRAM"
-        self._registration = self.agent.register_memory(cache.layers)
+        self._registration = self.agent.register_memory(cache.page_tensors)
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent's name
-        size = sum(layer.numel() * layer.element_size() for layer in cache.layers)
+        size = sum(t.nbytes for t in cache.page_tensors)
         log.info(
-            "NIXL agent %s holds the KV cache: %d layers, %.1f MiB of %s",
-            self.name, len(cache.layers), size / 2**20, self.kind,
+            "NIXL agent %s holds the KV cache: %d page tensors, %.1f MiB of %s",
+            self.name, len(cache.page_tensors), size / 2**20, self.kind,
         )  # fmt: skip
 
     def metadata(self) -> bytes:
@@ -115,7 +114,7 @@ class NixlCache:
         return self.agent.get_agent_metadata()
 
     def pages(self, blocks: list[int]) -> Pages:
-        """The descriptors of `blocks` in every layer (the prefill side's leased pages)."""
+        """The descriptors of `blocks` in every page tensor (the prefill side's leased pages)."""
         return cache_pages(self.cache, blocks)
 
     def connect(self, metadata: bytes) -> str:
@@ -129,7 +128,7 @@ class NixlCache:
         return self._peers[metadata]
 
     def read(self, peer: str, pages: Pages, blocks: list[int], timeout: float) -> int:
-        """The peer's `pages` into this cache's `blocks` (the same order, every layer); waits
+        """The peer's `pages` into this cache's `blocks` (the same order, every page tensor); waits
         for completion and returns the bytes read. NixlError when the sizes disagree, the
         transfer fails or outlasts `timeout` seconds; the transfer's handle is released (an
         unfinished transfer cancelled) either way."""
@@ -143,7 +142,7 @@ class NixlCache:
         if remote.shape != local.shape or (remote[:, 1] != local[:, 1].astype(np.uint64)).any():
             raise NixlError(
                 f"the peer offers {len(remote)} pages, {len(blocks)} blocks x "
-                f"{len(self.cache.layers)} layers of this cache's page size were asked for"
+                f"{len(self.cache.page_tensors)} page tensors of this cache's sizes were asked for"
             )
         what = f"the NIXL read of {len(remote)} pages from {peer!r}"
         try:

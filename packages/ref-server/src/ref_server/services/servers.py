@@ -66,16 +66,14 @@ REQUEST_SLACK_BYTES = 64 << 10
 
 
 def model_args(config: ServeConfig) -> M.ModelArgs:
-    if config.model:  # its MTP module only with its weights, as `load_model` loads it
-        args = without_absent_mtp(read_config(Path(config.model)), Path(config.model))
-    else:  # as `load_model` builds it: with the MTP module when it speculates
+    """The model's, as an instance loads it (a checkpoint's MTP module only if it has its
+    weights, a preset's with --speculative mtp): the router sizes pages by them."""
+    if config.model:
+        path = Path(config.model)
+        args = without_absent_mtp(read_config(path), path)
+    else:
         mtp = int(config.speculative == "mtp")
         args = dataclasses.replace(M.PRESETS[config.preset], num_nextn_predict_layers=mtp)
-    if args.is_sparse:
-        raise ValueError(
-            "DeepSeek-V3.2 models (index_topk) do not serve yet: the instances would not move "
-            "the indexer's keys with the KV pages; ref_server.model runs them in one process"
-        )
     if config.speculative == "mtp" and not args.num_nextn_predict_layers:
         raise ValueError(f"--speculative mtp: {config.model} has no MTP module")
     return args
@@ -199,7 +197,7 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
         num_parameters=args.num_parameters(),
         eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
         page_size=config.block_size,
-        page_bytes=args.num_hidden_layers * config.block_size * args.cache_width * 2,
+        page_bytes=config.block_size * M.cache_bytes_per_token(args),
     )
     return facts, tokenizer
 
