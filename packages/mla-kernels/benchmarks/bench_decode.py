@@ -105,6 +105,29 @@ def ceilings() -> dict[str, float]:
     }
 
 
+def measured_ceilings() -> dict[str, float]:
+    """`ceilings()`, printed as the run's first line."""
+    limits = ceilings()
+    print(
+        f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
+        f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
+    )
+    return limits
+
+
+def write_results(path: str, limits: dict[str, float], **tables) -> None:
+    """The run's device, torch, commit ($BENCH_COMMIT), ceilings and tables, as JSON."""
+    document = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": os.environ.get("BENCH_COMMIT", "unknown"),
+        "ceilings": limits,
+        **tables,
+    }
+    with open(path, "w") as f:
+        json.dump(document, f, indent=1)
+
+
 def bmm_baseline_ms(seqlen: int, s_q: int, h_q: int) -> float:
     """Attention as two batched matmuls over a contiguous (unpaged) cache: torch's best case."""
     kv = torch.randn(BATCH, seqlen, 576, device="cuda", dtype=torch.bfloat16)
@@ -525,26 +548,12 @@ def main() -> None:
     if args.peer and peer is None:
         why = "flashmla_peer is not importable; build it with ../shared/peers/flashmla/build.py"
         parser.exit(2, f"--peer: {why} and set FLASHMLA_PEER_BUILD\n")
-    limits = ceilings()
-    print(
-        f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
-        f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
-    )
+    limits = measured_ceilings()
     peers = peer_rows(peer, args.quick, limits, tables) if peer else []
     eager = eager_rows(limits) if args.tables is None else []
     rows = sweep(args.quick, limits) if args.tables is None else []
     if args.json:
-        document = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-            "ceilings": limits,
-            "rows": rows,
-            "eager": eager,
-            "peer": peers,
-        }
-        with open(args.json, "w") as f:
-            json.dump(document, f, indent=1)
+        write_results(args.json, limits, rows=rows, eager=eager, peer=peers)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import json
 import os
 import sys
 from dataclasses import replace
 
 import torch
-from bench_decode import ceilings, import_peer, times_ms
+from bench_decode import import_peer, measured_ceilings, times_ms, write_results
 
 import mla_kernels
 from mla_kernels import reference
@@ -202,22 +201,10 @@ def main() -> None:
     peer = import_sparse_peer() if args.peer else None
     if args.peer and peer is None:
         parser.exit(2, "--peer: no module with sparse_decode_fwd and sparse_prefill_fwd\n")
-    limits = ceilings()
-    print(
-        f"{torch.cuda.get_device_name()}: copy {limits['copy_TBps']:.2f} TB/s, "
-        f"bf16 matmul {limits['matmul_TFLOPs']:.0f} TFLOP/s (measured now)"
-    )
+    limits = measured_ceilings()
     rows = decode_rows(args.quick, peer, limits) + prefill_rows(args.quick, peer, limits)
     if args.json:
-        document = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "commit": os.environ.get("BENCH_COMMIT", "unknown"),
-            "ceilings": limits,
-            "rows": rows,
-        }
-        with open(args.json, "w") as f:
-            json.dump(document, f, indent=1)
+        write_results(args.json, limits, rows=rows)
 
 
 if __name__ == "__main__":
