@@ -153,19 +153,7 @@ def _check_seqlens(cache_seqlens: torch.Tensor) -> None:
 
 
 def _check_inputs(q, k_cache, block_table, cache_seqlens, head_dim_v, is_fp8_kvcache) -> None:
-    tensors = {
-        "q": q,
-        "k_cache": k_cache,
-        "block_table": block_table,
-        "cache_seqlens": cache_seqlens,
-    }
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (shape {tuple(tensor.shape)})")
-        if tensor.device != q.device:
-            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}")
+    sparse.check_tensors(q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens)
     _check_seqlens(cache_seqlens)
     if head_dim_v != HEAD_DIM_V:
         raise ValueError(f"head_dim_v must be {HEAD_DIM_V}, got {head_dim_v}")

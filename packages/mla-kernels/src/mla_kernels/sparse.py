@@ -57,7 +57,7 @@ def sparse_decode(
     `[b, h_q, s_q]`."""
     if causal:
         raise ValueError("causal must be False with indices: the indices choose the tokens")
-    _check_tensors(q=q, k_cache=k_cache, indices=indices)
+    check_tensors(q=q, k_cache=k_cache, indices=indices)
     _check_q(q, "[b, s_q, h_q, 576]")
     b, s_q, h_q, _ = q.shape
     width = FP8_TOKEN_BYTES if is_fp8_kvcache else HEAD_DIM
@@ -93,7 +93,7 @@ def flash_mla_sparse_fwd(
     score) and lse float32 `[s_q, h_q]` (natural log); a query that attends no token gets
     out = 0, max_logits = -inf and lse = +inf.
     """
-    _check_tensors(q=q, kv=kv, indices=indices)
+    check_tensors(q=q, kv=kv, indices=indices)
     _check_q(q, "[s_q, h_q, 576]")
     s_q = q.shape[0]
     if kv.dim() != 3 or kv.shape[1:] != (1, HEAD_DIM):
@@ -125,7 +125,9 @@ def _attend(q, tokens, indices, head_dim_v, softmax_scale, is_fp8_kvcache, cache
     return torch.ops.mla_kernels.sparse_mla(q, tokens, indices, scale, bool(is_fp8_kvcache))
 
 
-def _check_tensors(q, **named) -> None:
+def check_tensors(q, **named) -> None:
+    """Each of q and the named tensors is a contiguous tensor on q's device; else the error
+    names it."""
     for name, tensor in {"q": q, **named}.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
