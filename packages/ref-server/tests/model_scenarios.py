@@ -657,3 +657,44 @@ def balanced_experts_serve_as_one_process(
     counted = engine.runner.expert_balancer.load()
     total = summed(torch.tensor(computed), group) * args.num_experts_per_tok
     assert (counted.sum(axis=1) == total.item()).all(), (counted.sum(axis=1), total)
+
+
+def survivors_take_the_lost_ranks_experts(
+    rank: int, world: int, group, path: str, source: str
+) -> None:
+    """Three ranks of 3 slots (8 experts, expert 3 twice: on rank 1 and rank 2) lose rank 1:
+    ranks 0 and 2 regroup, each keeping its slots and getting a fourth. Every slot then holds
+    its expert's weights (3 from rank 2's replica, 4 and 5 again from the checkpoint, or from
+    the seed of a preset's random weights), the placement holds every expert, and the logits
+    over the two equal one process's. source: "checkpoint" or "seed"."""
+    from ref_server.model.expert_rebalance import regroup_experts
+
+    placement = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 3]] * 2)
+
+    def build(group=None, expert_placement=None):
+        if source == "checkpoint":
+            return M.from_pretrained(
+                path, dtype=torch.float32, group=group, expert_placement=expert_placement
+            )
+        args = M.ModelArgs(**{**M.PRESETS["tiny"].__dict__, "hidden_size": 128})
+        return M.from_args(args, seed=7, group=group, expert_placement=expert_placement)
+
+    model = build(group, placement)
+    survivors = dist.new_group([0, 2])  # every rank creates it, rank 1 then leaves
+    if rank == 1:
+        return
+    one = build()
+    model.expert_parallel.leave()
+    moved = regroup_experts(model, [0, 2], survivors)
+    layers = model.moe_layers()
+    assert all(m.experts.num_experts == 4 and m.first_slot == 4 * (rank // 2) for m in layers)
+    assert model.expert_parallel.rank_and_size == (rank // 2, 2)
+    for moe in layers:
+        assert sorted(set(moe.location.physical_to_logical.tolist())) == list(range(8))
+    assert_slots_hold_their_experts(model, one)
+    slot_bytes = sum(t[0].numel() * t.element_size() for t in expert_tensors(layers[0].experts))
+    assert moved.loaded == 2 * len(layers) * slot_bytes  # experts 4 and 5 of every layer
+    g = torch.Generator().manual_seed(30 + rank)
+    ids = torch.randint(2, 300, (2, 9 + rank), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), one(ids), rtol=3e-2, atol=3e-2)

@@ -180,3 +180,17 @@ def test_a_placement_file_round_trips(tmp_path):
     write_placement(tmp_path / "p.json", table, 4)
     assert (read_placement(tmp_path / "p.json", 4) == table).all()
     assert not (tmp_path / "p.json.partial").exists()
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "seed"])
+def test_survivors_take_the_lost_ranks_experts(checkpoint, source):
+    run_ranks(3, SCENARIOS, "survivors_take_the_lost_ranks_experts", checkpoint, source, limit=300)
+
+
+def test_moves_leave_empty_slots_and_reload_experts_no_slot_holds():
+    # two survivors of 3 slots each, a fourth empty (-1); expert 6 was on a lost rank only
+    kept = [0, 1, 2, -1, 3, 4, 5, -1]
+    new = [0, 1, 2, 6, 3, 4, 5, 6]
+    assert plan_moves(kept, new, ranks=2, reload=True) == [Move(3, None), Move(7, None)]
+    with pytest.raises(ValueError, match="expert 6 has no slot"):
+        plan_moves(kept, new, ranks=2)

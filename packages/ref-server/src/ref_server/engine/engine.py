@@ -27,6 +27,7 @@ import torch
 from ref_server.engine.model_runner import LaunchedStep, ModelRunner
 from ref_server.engine.scheduler import Scheduler, SchedulerConfig
 from ref_server.engine.sequence import Sequence, Status
+from ref_server.model.expert_rebalance import Moved
 from ref_server.model.sampling import SamplingParams
 from ref_server.model.speculative import SpeculativeStats, check_draft_tokens
 
@@ -225,6 +226,16 @@ class Engine:
         aborted = [self.abort(seq.request_id) for seq in list(self.scheduler.running)]
         self.runner.rebuild_exchange()
         return aborted
+
+    def leave_group(self) -> None:
+        """Drop the instance's process group (some of its ranks are lost): see `regroup`."""
+        self.runner.leave_group()
+
+    def regroup(self, group, survivors: list[int]) -> Moved | None:
+        """Go on over `group`, the ranks left, rank i having been rank survivors[i]: the lost
+        ranks' experts re-placed over them (what moved; None when no rank was lost). The
+        sequences keep their state: a step that failed had not changed it, and runs again."""
+        return self.runner.regroup(group, survivors)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (tests and offline use)."""

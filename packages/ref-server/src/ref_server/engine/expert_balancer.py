@@ -52,9 +52,7 @@ class ExpertBalancer:
         if not self.layers or self.layers[0].location is None:
             raise ValueError("expert balancing needs a model built with num_physical_experts")
         self.args = model.args
-        ep = model.expert_parallel
-        self.group = ep.group if ep else None
-        self.ranks = self.group.size() if self.group else 1
+        self.expert_parallel = model.expert_parallel
         self.interval, self.layers_per_step = config.interval, config.layers_per_step
         self.steps = 0
         self.pending: list[tuple[int, np.ndarray]] = []  # (MoE layer, its new placement)
@@ -64,6 +62,14 @@ class ExpertBalancer:
         self.counted = torch.zeros(shape, dtype=torch.long)  # this rank's, folded so far
         self.last_load = np.zeros(shape, dtype=np.int64)  # the last window's, summed
         self.save_to = config.save_to
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.expert_parallel.group if self.expert_parallel else None
+
+    @property
+    def ranks(self) -> int:
+        return self.expert_parallel.rank_and_size[1] if self.expert_parallel else 1
 
     def placement(self) -> np.ndarray:
         """`[MoE layers, slots]` int64: the logical expert each slot holds now."""
@@ -102,6 +108,15 @@ class ExpertBalancer:
         ]
         if not self.pending:
             self._save()
+
+    def before_regroup(self) -> np.ndarray:
+        """Before the instance's slots are placed over fewer ranks: the load to place them by
+        (the last window's, summed over every rank then); this rank's counts are kept, and no
+        layer is left to move."""
+        for layer in range(len(self.layers)):
+            self._fold(layer)
+        self.pending = []
+        return self.last_load
 
     def load(self) -> np.ndarray:
         """`[MoE layers, logical experts]` int64: the tokens routed to each expert since the

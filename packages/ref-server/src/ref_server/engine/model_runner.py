@@ -38,6 +38,7 @@ from ref_server.engine.scheduler import SchedulerConfig, Step
 from ref_server.engine.sequence import Sequence, Status
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
+from ref_server.model.expert_rebalance import Moved, regroup_experts
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import sample_on_device
 from ref_server.model.speculative import accept, draft
@@ -130,7 +131,6 @@ class ModelRunner:
         self.expert_parallel = model.expert_parallel
         self.two_batch = two_batch == "on" or (two_batch == "auto" and bool(self.expert_parallel))
         self.thresholds = thresholds or Thresholds()
-        self.group = self.expert_parallel.group if self.expert_parallel else None
         if self.expert_parallel:  # a decode microbatch holds at most max_num_seqs tokens
             self.expert_parallel.use_low_latency(
                 config.max_num_seqs, model.args.num_experts_per_tok
@@ -142,6 +142,15 @@ class ModelRunner:
         if self.device.type == "cuda" and eligible and tokens > 0:
             self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The instance's ranks (None: one rank)."""
+        return self.expert_parallel.group if self.expert_parallel else None
+
+    @property
+    def ranks(self) -> int:
+        return self.expert_parallel.rank_and_size[1] if self.expert_parallel else 1
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange
@@ -368,6 +377,25 @@ class ModelRunner:
         self.decode_graphs = None
         self.expert_parallel.reset()
         self.decode_graphs = self._capture_decode_graphs()
+
+    def leave_group(self) -> None:
+        """Drop the instance's group and buffer (some ranks are lost), decode graphs with them."""
+        self.decode_graphs = None
+        self.expert_parallel.leave()
+
+    def regroup(self, group: dist.ProcessGroup, survivors: list[int]) -> Moved | None:
+        """After `leave_group`: the exchange over `group`, whose rank i was rank survivors[i]
+        before, the experts of lost ranks placed over it (`regroup_experts`; None when no rank
+        was lost), the decode graphs captured anew. Every rank of group together."""
+        ep, balancer = self.expert_parallel, self.expert_balancer
+        if len(survivors) == ep.rank_and_size[1]:
+            ep.regroup(group, ep.num_experts)
+            moved = None
+        else:
+            load = balancer.before_regroup() if balancer else None
+            moved = regroup_experts(self.model, survivors, group, load)
+        self.decode_graphs = self._capture_decode_graphs()
+        return moved
 
     def read_page(self, block: int) -> torch.Tensor:
         """One page's bytes (`PagedKVCache.read_page`: every layer's latent rows, and a sparse

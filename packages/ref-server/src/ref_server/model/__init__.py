@@ -44,6 +44,7 @@ class Model(Transformer):
     """`Transformer` with generation and its tokenizer."""
 
     tokenizer = None
+    weights_from: Path | int | None = None  # the checkpoint directory, or the random weights' seed
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | None = None, **kw):
         return generate(self, prompts, params or SamplingParams(), **kw)
@@ -138,6 +139,7 @@ def from_args(
         exchange, kernels,
     )  # fmt: skip
     init_random(model, seed)
+    model.weights_from = seed
     model.tokenizer = load_tokenizer(model.args)
     return model
 
@@ -190,6 +192,7 @@ def from_pretrained(
         kernels=kernels,
     )
     load_weights(model, path)
+    model.weights_from = path
     model.tokenizer = load_tokenizer(model.args, path)
     return model
 

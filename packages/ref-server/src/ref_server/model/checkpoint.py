@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -84,34 +84,40 @@ def checkpoint_tensors(
         for name, module in model.named_modules()
         if getattr(module, "row_parts", None) is not None
     }
-    mtp_layer = f"layers.{model.args.num_hidden_layers}."
     for name, tensor in tensors.items():
         if name.endswith("_scale_inv") or ".location." in name:
             continue  # filled with its weight; where the experts are is not in checkpoints
         scale = tensors.get(name + "_scale_inv")
-        module_name = name
-        if name.startswith("mtp."):
-            name = mtp_layer + name.removeprefix("mtp.")
+        module_name, name = name, checkpoint_name(model, name)
         parts = name.split(".")
         owner = module_name.rpartition(".")[0]
         if owner in stacked:
-            prefix = "model." + name.rpartition(".")[0].rpartition(".")[0]
+            prefix = name.rpartition(".")[0].rpartition(".")[0]
             for part, weight, part_scale in stacked[owner].views(tensor, scale):
                 yield f"{prefix}.{part}.weight", weight, part_scale
             continue
-        if parts[2:4] != ["mlp", "experts"]:
-            yield (name if name.startswith("lm_head.") else "model." + name), tensor, scale
+        if parts[3:5] != ["mlp", "experts"]:
+            yield name, tensor, scale
             continue
-        moe = model.get_submodule(module_name.split(".experts.")[0])
+        moe_name = module_name.split(".experts.")[0]
+        moe = model.get_submodule(moe_name)
         experts = moe.slot_experts()
         for e in range(tensor.shape[0]):
-            prefix = f"model.layers.{parts[1]}.mlp.experts.{experts[e]}."
-            if parts[4] != "gate_up_proj":
-                yield prefix + parts[4] + ".weight", tensor[e], None if scale is None else scale[e]
+            prefix = f"{checkpoint_name(model, moe_name)}.experts.{experts[e]}."
+            if parts[5] != "gate_up_proj":
+                yield prefix + parts[5] + ".weight", tensor[e], None if scale is None else scale[e]
                 continue
             scales = None if scale is None else scale[e]
             for part, weight, part_scale in moe.experts.gate_up_parts.views(tensor[e], scales):
                 yield f"{prefix}{part}.weight", weight, part_scale
+
+
+def checkpoint_name(model: Transformer, name: str) -> str:
+    """The checkpoint's name of the model's tensor or module `name` (the MTP module's are those
+    of layer num_hidden_layers)."""
+    if name.startswith("mtp."):
+        name = f"layers.{model.args.num_hidden_layers}." + name.removeprefix("mtp.")
+    return name if name.startswith("lm_head.") else "model." + name
 
 
 def checked_scales(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -123,10 +129,13 @@ def checked_scales(name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> 
     return scale_inv.float()
 
 
-def load_weights(model: Transformer, path: Path) -> None:
-    """Every model tensor from the checkpoint at `path`. FP8 checkpoint weights stay FP8 where
-    the model keeps them so and are dequantized elsewhere; other weights are quantized
-    (`quantize_blocks`) where the model keeps them in FP8."""
+def load_weights(
+    model: Transformer, path: Path, wanted: Callable[[str], bool] = lambda name: True
+) -> None:
+    """Every model tensor (whose checkpoint name is `wanted`) from the checkpoint at `path`.
+    FP8 checkpoint weights stay FP8 where the model keeps them so and are dequantized
+    elsewhere; other weights are quantized (`quantize_blocks`) where the model keeps them in
+    FP8."""
     files = weight_files(path)
     missing, wrong = [], []
     with ExitStack() as stack, torch.no_grad():
@@ -139,6 +148,8 @@ def load_weights(model: Transformer, path: Path) -> None:
             return handles[file].get_tensor(name)
 
         for source, target, target_scale in checkpoint_tensors(model):
+            if not wanted(source):
+                continue
             if source not in files:
                 missing.append(source)
                 continue
@@ -169,16 +180,20 @@ def load_weights(model: Transformer, path: Path) -> None:
         )
 
 
-def init_random(model: Transformer, seed: int) -> None:
-    """Weights from `seed`: N(0, 1/fan_in) for projections (divided by sqrt(2 x layers) for
-    those that write into the residual stream), N(0, 1) for embeddings, ones for norms (zeros
-    for their biases), zeros for the routing bias. Each tensor draws from its own generator on
-    its device, seeded from (seed, its checkpoint name): ranks on one kind of device agree.
-    FP8 weights are drawn in the model's dtype, then quantized: the weights of the model
-    without FP8, rounded."""
+def init_random(
+    model: Transformer, seed: int, wanted: Callable[[str], bool] = lambda name: True
+) -> None:
+    """Weights (those whose checkpoint name is `wanted`) from `seed`: N(0, 1/fan_in) for
+    projections (divided by sqrt(2 x layers) for those that write into the residual stream),
+    N(0, 1) for embeddings, ones for norms (zeros for their biases), zeros for the routing
+    bias. Each tensor draws from its own generator on its device, seeded from (seed, its
+    checkpoint name): ranks on one kind of device agree. FP8 weights are drawn in the model's
+    dtype, then quantized: the weights of the model without FP8, rounded."""
     dtype = model.embed_tokens.weight.dtype
     with torch.no_grad():
         for name, tensor, scale in checkpoint_tensors(model):
+            if not wanted(name):
+                continue
             generator = torch.Generator(tensor.device).manual_seed(hash_seed(seed, name))
             if name.endswith("norm.weight"):
                 tensor.fill_(1.0)
@@ -199,3 +214,20 @@ def init_random(model: Transformer, seed: int) -> None:
 
 def hash_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def reload_experts(model, moe, experts: list[int]) -> None:
+    """Load the slots of `moe` (a MoE layer of `model`) that hold these logical experts again,
+    from where the model's weights came (`model.weights_from`: its checkpoint directory, or its
+    random weights' seed)."""
+    source = model.weights_from
+    if source is None:
+        raise ValueError("the model's weights came from neither a checkpoint nor a seed")
+    moe_name = next(name for name, module in model.named_modules() if module is moe)
+    prefix = checkpoint_name(model, moe_name)
+    names = tuple(f"{prefix}.experts.{e}." for e in experts)
+    wanted = lambda name: name.startswith(names)  # noqa: E731
+    if isinstance(source, Path):
+        load_weights(model, source, wanted)
+    else:
+        init_random(model, source, wanted)

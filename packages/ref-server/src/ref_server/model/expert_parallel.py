@@ -21,6 +21,7 @@ and come back summed (combine). Two ways, as DeepSeek serves:
 
 After a failure that ep_comm could not raise at once (a CUDA-graph replay, an asynchronous
 call), `raise_if_failed` raises `EPCommError` on every rank and `reset` rebuilds the buffer.
+An instance that lost ranks `leave`s its group and `regroup`s over the survivors.
 
 With `deep_ep` (the model's `kernels` "deepseek"), DeepEP's `deep_ep.Buffer` (its V1 API, which
 ep_comm's copies) moves the rows instead (`deepseek.deep_ep_buffer`): its kernels never wait on
@@ -229,6 +230,21 @@ class ExpertParallel:
         if self.buffer.device is not None:
             torch.cuda.current_stream().synchronize()
         self.buffer.raise_if_failed()
+
+    def leave(self) -> None:
+        """Drop the buffer and the group (without destroying the buffer: a destroy waits for
+        every rank, and some are gone). Once nothing else holds the group it closes its
+        connections, so that the ranks still waiting on this one fail at once."""
+        self.buffer = self.group = None
+
+    def regroup(self, group: dist.ProcessGroup, num_experts: int) -> None:
+        """A buffer over `group`, the ranks left after some were lost, for num_experts slots
+        (a multiple of its size); every rank of it together. The caller places the slots."""
+        if num_experts % group.size():
+            raise ValueError(f"{num_experts} expert slots do not split over {group.size()} ranks")
+        self.group, self.num_experts = group, num_experts
+        self.rank_and_size = (group.rank(), group.size())
+        self.buffer = self._new_buffer()
 
     def reset(self) -> None:
         """Rebuild the buffer after a failure; collective. CUDA graphs that captured the old

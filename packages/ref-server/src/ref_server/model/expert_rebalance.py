@@ -13,25 +13,40 @@ routing tables change in place, so captured CUDA graphs replay the new placement
 
 `plan_moves` is the whole decision, pure and the same on every rank, so every send has its
 receive.
+
+When an instance loses ranks (`regroup_experts`), the survivors keep the slots they hold, each
+gets as many more as every expert needs a slot among them, and `rebalance_experts` places the
+slots over the survivors' count, keeping in place what it can. An expert a lost rank held goes
+where the placement puts it: from a survivor's replica where one holds it, else from where the
+model's weights came (its checkpoint, or a preset's seed).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ref_server.model.expert_location import check_placement
+from ref_server.balance import rebalance_experts
+from ref_server.model.checkpoint import reload_experts
+from ref_server.model.expert_location import ExpertLocation, check_placement
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Move:
     """Slot `to` gets the weights slot `source` holds now (global slot ids), or with `ride`
-    those slot `source` (of the same rank) receives in the same move."""
+    those slot `source` (of the same rank) receives in the same move; source None: no slot
+    holds the expert (its rank was lost), whose weights are loaded again."""
 
     to: int
-    source: int
+    source: int | None
     ride: bool = False
 
 
@@ -42,16 +57,18 @@ class Moved:
 
     copied: int = 0  # from a slot of the same rank
     sent: int = 0  # between ranks
+    loaded: int = 0  # from the checkpoint (or a preset's seed): no slot held them
 
     def __add__(self, other: Moved) -> Moved:
-        return Moved(self.copied + other.copied, self.sent + other.sent)
+        return Moved(self.copied + other.copied, self.sent + other.sent, self.loaded + other.loaded)
 
 
-def plan_moves(old, new, ranks: int) -> list[Move]:
+def plan_moves(old, new, ranks: int, reload: bool = False) -> list[Move]:
     """The moves that take slots from placement `old` to `new` (`[P]` ints, P/ranks slots per
     rank), in slot order: a changed slot copies from the lowest slot of its rank holding its
     new expert now, else rides on the first slot of its rank receiving that expert from a
-    peer, else takes it from holder number (slot mod holders) elsewhere."""
+    peer, else takes it from holder number (slot mod holders) elsewhere. old may have empty
+    slots (-1). An expert no slot holds is a ValueError, or with reload a `Move(slot, None)`."""
     old, new = torch.as_tensor(old).tolist(), torch.as_tensor(new).tolist()
     per_rank = len(old) // ranks
     holders: dict[int, list[int]] = {}
@@ -62,7 +79,10 @@ def plan_moves(old, new, ranks: int) -> list[Move]:
         if old[slot] == expert:
             continue
         if expert not in holders:
-            raise ValueError(f"expert {expert} has no slot in the placement in force")
+            if not reload:
+                raise ValueError(f"expert {expert} has no slot in the placement in force")
+            moves.append(Move(slot, None))
+            continue
         rank = slot // per_rank
         near = [s for s in holders[expert] if s // per_rank == rank]
         if near:
@@ -87,24 +107,31 @@ def expert_tensors(experts) -> list[torch.Tensor]:
 def move_layer(moe, new, group: dist.ProcessGroup | None = None) -> Moved:
     """Put `moe`'s slots to placement `new` (`[P]` ints, every expert held), moving weights
     as `plan_moves` says; every rank of `group` calls it together. What the instance moved."""
-    location, experts = moe.location, moe.experts
-    if location is None:
+    if moe.location is None:
         raise ValueError("this MoE layer has one fixed slot per expert: nothing to re-place")
+    return _move(moe, moe.location.physical_to_logical.cpu(), new, group)
+
+
+def _move(moe, old: torch.Tensor, new, group, reload: Callable | None = None) -> Moved:
+    """`moe`'s slots, holding `old` now, to `new`; reload(moe, experts): load this rank's
+    slots of these logical experts (no slot held them) once the placement is in force."""
+    location, experts = moe.location, moe.experts
     new = torch.as_tensor(new, dtype=torch.long).cpu()
     check_placement(new, location.num_logical, location.num_physical)
     rank, ranks = (0, 1) if group is None else (group.rank(), group.size())
     per_rank, first = experts.num_experts, moe.first_slot
-    moves = plan_moves(location.physical_to_logical.cpu(), new, ranks)
+    moves = plan_moves(old, new, ranks, reload=reload is not None)
+    held = [m for m in moves if m.source is not None]
     tensors = expert_tensors(experts)
 
     def read(slots: list[int]) -> torch.Tensor:
         parts = [_bytes(t[s - first]) for s in slots for t in tensors]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
-    mine = [m for m in moves if m.to // per_rank == rank]
+    mine = [m for m in held if m.to // per_rank == rank]
     local = [m for m in mine if m.source // per_rank == rank and not m.ride]
     copied = _by_slot(local, read([m.source for m in local]))
-    received = _exchange(moves, per_rank, rank, ranks, read, tensors, group)
+    received = _exchange(held, per_rank, rank, ranks, read, tensors, group)
     for slot, data in (*copied.items(), *received.items()):
         offset = 0
         for t in tensors:
@@ -115,9 +142,79 @@ def move_layer(moe, new, group: dist.ProcessGroup | None = None) -> Moved:
         for t in tensors:
             t[move.to - first].copy_(t[move.source - first])
     location.place(new)
+    lost = sorted({int(new[m.to]) for m in moves if m.source is None and m.to // per_rank == rank})
+    if lost:
+        reload(moe, lost)
     slot_bytes = sum(_bytes(t[0]).numel() for t in tensors)
-    between = sum(m.to // per_rank != m.source // per_rank for m in moves)
-    return Moved((len(moves) - between) * slot_bytes, between * slot_bytes)
+    between = sum(m.to // per_rank != m.source // per_rank for m in held)
+    loaded = len(moves) - len(held)
+    return Moved((len(held) - between) * slot_bytes, between * slot_bytes, loaded * slot_bytes)
+
+
+def kept_slots(old, survivors: list[int], before: int, per_rank: int) -> torch.Tensor:
+    """`[len(survivors) * per_rank]`: the experts of placement `old` (`[P]`, `before` slots per
+    rank) where the survivors keep them, survivor i being rank i with per_rank >= before
+    slots: its old slots first, then empty ones (-1)."""
+    old = torch.as_tensor(old, dtype=torch.long).cpu()
+    kept = torch.full((len(survivors) * per_rank,), -1, dtype=torch.long)
+    for i, survivor in enumerate(survivors):
+        kept[i * per_rank : i * per_rank + before] = old[
+            survivor * before : (survivor + 1) * before
+        ]
+    return kept
+
+
+def regroup_experts(model, survivors: list[int], group: dist.ProcessGroup, load=None) -> Moved:
+    """After an instance lost ranks: its MoE layers' slots over `group`, whose rank i was rank
+    survivors[i] before. Each survivor keeps its slots and gets as many more as the experts need
+    (at least E / survivors); `rebalance_experts` places every layer's slots over the survivors
+    by load (`[MoE layers, E]`, the same on every rank; None: even), keeping in place what it
+    can; weights come as `_move` says, those of experts no survivor holds from where the model's
+    came (`ref_server.model.checkpoint.reload_experts`). The survivors call it together."""
+    layers = model.moe_layers() + ([model.mtp.mlp] if model.mtp else [])
+    location = layers[0].location
+    if location is None:
+        raise ValueError("placing experts over fewer ranks needs a model built with expert slots")
+    before = layers[0].experts.num_experts
+    ranks = len(survivors)
+    per_rank = max(before, -(-location.num_logical // ranks))
+    even = np.ones((len(layers), location.num_logical))
+    if load is not None and np.asarray(load).any():
+        even[: len(load)] = load  # the MTP module's layer, past the model's, stays even
+    kept = [kept_slots(m.location.physical_to_logical, survivors, before, per_rank) for m in layers]
+    placement = rebalance_experts(
+        even, per_rank * ranks, model.args.n_group, 1, ranks, previous=torch.stack(kept).numpy()
+    )
+    model.expert_parallel.regroup(group, per_rank * ranks)
+    moved = Moved()
+    for moe, old, new in zip(layers, kept, placement.phy2log, strict=True):
+        resize_slots(moe.experts, per_rank)
+        moe.first_slot = group.rank() * per_rank
+        device = moe.location.load.device
+        moe.location = ExpertLocation(location.num_logical, per_rank * ranks, ranks).to(device)
+        moved += _move(moe, old, new, group, lambda m, experts: reload_experts(model, m, experts))
+    log.warning(
+        "re-placed %d MoE layers' experts over %d ranks, %d slots each: %.1f MB from the "
+        "survivors' slots (%.1f MB between ranks), %.1f MB from %s",
+        len(layers), ranks, per_rank, (moved.copied + moved.sent) / 1e6, moved.sent / 1e6,
+        moved.loaded / 1e6, model.weights_from,
+    )  # fmt: skip
+    return moved
+
+
+def resize_slots(experts, count: int) -> None:
+    """A rank's routed experts to `count` slots (at least as many as now): each slot keeps
+    its weights, the new ones are zero."""
+    before = experts.num_experts
+    for name, tensor in [*experts.named_parameters(), *experts.named_buffers()]:
+        if tensor.shape[:1] != (before,):
+            continue
+        grown = tensor.new_zeros(count, *tensor.shape[1:])
+        grown[:before] = tensor
+        if isinstance(tensor, nn.Parameter):
+            grown = nn.Parameter(grown, requires_grad=tensor.requires_grad)
+        setattr(experts, name, grown)
+    experts.num_experts = count
 
 
 def _exchange(moves, per_rank, rank, ranks, read, tensors, group) -> dict[int, torch.Tensor]:
