@@ -316,7 +316,7 @@ def a_failed_exchange_is_rebuilt(rank: int, world: int, group, path: str, device
     graphs = engine.runner.decode_graphs
     assert (graphs is not None) == (device == "cuda")
     out_of_service = threading.Event()
-    loop = EngineLoop(engine, group=group, on_failure=out_of_service.set)
+    loop = EngineLoop(engine, on_failure=out_of_service.set)
     prompts = [list(range(3 + rank, 3 + rank + n)) for n in (6, 21)]
     params = SamplingParams(max_tokens=32)
 

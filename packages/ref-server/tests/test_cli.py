@@ -247,6 +247,16 @@ def test_top_level_help_lists_the_commands():
             ["serve", "--speculative", "mtp", "--ranks", "2"],
             "speculative mtp needs instances of one rank without EPLB",
         ),
+        (["serve", "--elastic"], "elastic needs instances of several ranks (ranks > 1)"),
+        (["serve", "--group-store", "external"], "group_store external is for elastic instances"),
+        (
+            ["serve", "--elastic", "--ranks", "2", "--failure-timeout-s", "0"],
+            "failure_timeout_s must be > 0, got 0.0",
+        ),
+        (
+            ["serve", "--role", "decode", "--elastic", "--ranks", "2", "--group-address", "env"],
+            "elastic: not under torchrun, which restarts every rank when one dies",
+        ),
         (["demo", "--port", "abc"], "argument --port: invalid int value: 'abc'"),
         (["demo", "--requests", "0"], "argument --requests: must be a whole number > 0"),
         (["demo", "--max-tokens", "many"], "argument --max-tokens: must be a whole number"),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ref_server import __version__, economics, kernel_choice
 from ref_server.services.config import (
+    GROUP_STORES,
     KV_TRANSFERS,
     LOG_LEVELS,
     OVERLAP_STEPS,
@@ -57,7 +58,8 @@ SETTING_GROUPS = {
         "eplb_save",
     ),
     "ranks (one instance over several processes)": (
-        "ranks", "rank", "group_address", "group_timeout_s",
+        "ranks", "rank", "group_address", "group_timeout_s", "group_store", "elastic",
+        "failure_timeout_s",
     ),
     "security": ("api_key_file", "isolate_cache", "tls_cert", "tls_key", "internal_secret_file"),
     "logging": ("log_level",),
@@ -88,9 +90,10 @@ CHOICES = {
     "kv_transfer": KV_TRANSFERS,
     "weight_dtype": WEIGHT_DTYPES,
     "log_level": LOG_LEVELS,
+    "group_store": GROUP_STORES,
 }
 # `demo` always runs --role all, which sets these itself for its processes.
-NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address")
+NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address", "group_store")
 DEMO_DEFAULTS = {"port": "a free port", "http_port": "a free port", "log_level": "warning"}
 
 SERVE_DESCRIPTION = """\

@@ -3,6 +3,7 @@ flags. Torch-free, so `ref-server serve --help` starts at once."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ PRESET_NAMES = (
 )  # ref_server.model.PRESETS (a test keeps them equal)
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+GROUP_STORES = ("rank0", "external")
 
 
 def _setting(default, help: str):
@@ -198,7 +200,27 @@ class ServeConfig:
     group_address: str | None = _setting(
         None, "where an instance's ranks meet: host:port, or env (torchrun's environment)"
     )
-    group_timeout_s: float = _setting(300.0, "how long a rank waits for its peers")
+    group_timeout_s: float = _setting(
+        300.0, "how long a rank waits for its peers (while the instance starts, with --elastic)"
+    )
+    group_store: str = _setting(
+        "rank0",
+        "who hosts the store where an instance's ranks meet at --group-address: rank0, or "
+        "external (it listens there already, as --role all's supervisor hosts it for --elastic "
+        "instances)",
+    )
+    elastic: bool = _setting(
+        False,
+        "an instance of several ranks that loses some goes on over the others: they agree on "
+        "who is left, place the lost ranks' experts anew and keep their requests (CPU, "
+        "ep_comm's torch backend; every rank may be lost with an external --group-store, all "
+        "but rank 0 without)",
+    )
+    failure_timeout_s: float = _setting(
+        30.0,
+        "--elastic: how long a rank of a started instance waits for a peer before the instance "
+        "counts it lost (one whose process ends is counted lost at once)",
+    )
     api_key_file: str | None = _setting(
         None, "API keys, one per line (also REF_SERVER_API_KEYS); none: the API is open"
     )
@@ -297,10 +319,32 @@ class ServeConfig:
             problems.append(f"need 0 <= rank < ranks, got rank {self.rank} of {self.ranks}")
         if self.ranks > 1 and self.role in ("prefill", "decode") and not self.group_address:
             problems.append("an instance of several ranks needs group_address (host:port)")
+        problems += self._elastic_problems()
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("TLS needs both tls_cert and tls_key")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _elastic_problems(self) -> list[str]:
+        problems = []
+        if self.group_store not in GROUP_STORES:
+            problems.append(
+                f"group_store must be one of {', '.join(GROUP_STORES)}, got {self.group_store!r}"
+            )
+        if self.failure_timeout_s <= 0:
+            problems.append(f"failure_timeout_s must be > 0, got {self.failure_timeout_s}")
+        if not self.elastic:
+            if self.group_store == "external":
+                problems.append("group_store external is for elastic instances")
+            return problems
+        if self.ranks < 2:
+            problems.append("elastic needs instances of several ranks (ranks > 1)")
+        if self.group_address == "env":
+            problems.append("elastic: not under torchrun, which restarts every rank when one dies")
+        with contextlib.suppress(ValueError):  # a bad kernels value is said on its own
+            if "exchange" in self.kernel_parts():
+                problems.append("elastic: not with DeepEP's exchange (kernels deepseek)")
+        return problems
 
     def _speculative_problems(self) -> list[str]:
         if self.speculative not in SPECULATIVE:

@@ -22,6 +22,14 @@ group) on the readiest rank's state; a rank without sequences then runs an idle 
 exchange fails, every rank gets `EPCommError` from the same step (ep_comm raises it on all of
 them): each ends its requests with an error and rebuilds the exchange with the others; an
 instance whose rebuild fails stops, out of service (`on_failure`).
+
+An elastic instance (`membership`) instead goes on over the ranks left whenever a step or an
+agreement fails on a rank (a peer died or stopped answering, an exchange failed, an error of
+its own): it drops its group, agrees with the others on who is left (`Membership.agree`), and
+they form a new group over which the lost ranks' experts are placed anew (`Engine.regroup`).
+Requests keep their state and the failed step runs again (it changed none), so they complete
+with the tokens they would have had; only a second failure in a row, which they may be the
+cause of, ends them with the error. Those of a lost rank were in its process.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch.distributed as dist
 
 from ep_comm import EPCommError
 from ref_server.engine import Engine, FinishReason, Status
+from ref_server.services.elastic import Membership
 
 IDLE, BLOCKED, RUNNABLE = 0, 1, 2  # no requests; requests waiting on held pages; work to run
 RELEASED_KEPT = 16384  # ids of releases that found nothing held, remembered at most
@@ -64,17 +73,18 @@ class EngineLoop:
         self,
         engine: Engine,
         hold_seconds: float = 60.0,
-        group: dist.ProcessGroup | None = None,
+        membership: Membership | None = None,
         on_failure: Callable[[], None] = lambda: None,
     ) -> None:
-        """group: the instance's ranks (gloo), when it has several; on_failure: called once
-        when they lose each other or cannot rebuild a failed exchange (the loop has stopped
+        """membership: an elastic instance's ranks; on_failure: called once when the ranks
+        lose each other for good or cannot rebuild a failed exchange (the loop has stopped
         then, every request ended)."""
         self.engine = engine
         self.hold_seconds = hold_seconds
-        self.group = group
+        self.membership = membership
         self.on_failure = on_failure
         self.failure: str | None = None
+        self.failed_steps = 0  # in a row (elastic): the second ends the requests
         self.commands: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable[[tuple], None]] = {}
         self.leases: dict[str, float] = {}  # held request -> when its pages are freed
@@ -178,6 +188,7 @@ class EngineLoop:
             queued_tokens=sum(len(s.prompt) for s in scheduler.waiting),
             queued_flops=engine.queued_prefill_flops(),
             held=len(scheduler.held) + len(scheduler.reserved),
+            ranks=engine.runner.ranks,
             expert_rebalances=balancer.rebalances if balancer else 0,
             expert_bytes_moved=moved.copied + moved.sent if moved else 0,
             draft_acceptance_rate=engine.speculative_stats.acceptance_rate,
@@ -193,9 +204,15 @@ class EngineLoop:
             self._expire()
             try:
                 readiest = self._agree(self._readiness())
+                lost = None
             except Exception as error:  # a peer rank died or stopped answering
-                self._fail(f"the instance's ranks lost each other: {one_line(error)}")
-                return
+                lost = f"the instance's ranks lost each other: {one_line(error)}"
+            if lost is not None:  # past the except block, which holds the old group
+                if self.membership is None:
+                    self._fail(lost)
+                    return
+                self._regroup(lost)
+                continue
             if readiest > IDLE:
                 self._step()
             self.load = self._load()
@@ -209,10 +226,11 @@ class EngineLoop:
 
     def _agree(self, readiness: int) -> int:
         """The readiest rank's state: every rank steps when any can."""
-        if self.group is None:
+        group = self.engine.runner.group
+        if group is None:
             return readiness
         flag = torch.tensor([readiness])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return int(flag)
 
     def _run_commands(self, wait: bool) -> None:
@@ -250,6 +268,8 @@ class EngineLoop:
     def _fail(self, message: str) -> None:
         self.failure = message
         self.stopped = True
+        if self.membership is not None:  # the others need not wait for this rank
+            self.membership.close()
         for request_id in list(self.sinks):
             self._end(request_id, ("error", message))
         self._drain()
@@ -257,15 +277,17 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            updated = self.engine.step()
+            updated, failed = self.engine.step(), None
         except Exception as error:
-            failure = exchange_failure(error)
-            if failure is not None:
-                self._rebuild(failure)
+            if self.membership is None:
+                self._step_failed(error)
                 return
-            log.exception("engine step failed")
-            self._abort_all(f"engine step failed: {one_line(error)}")
+            log.exception("an engine step failed")
+            failed = f"an engine step failed: {one_line(exchange_failure(error) or error)}"
+        if failed is not None:  # past the except block: the error's frames hold the old group
+            self._regroup(failed)
             return
+        self.failed_steps = 0
         now = time.monotonic()
         for seq in updated:
             sink = self.sinks.get(seq.request_id)
@@ -281,6 +303,16 @@ class EngineLoop:
                 sink(("token", token))
             if seq.status is Status.FINISHED:
                 self._end(seq.request_id, ("done", seq.finish_reason))
+
+    def _step_failed(self, error: Exception) -> None:
+        """A failed step of an instance that is not elastic: a failed exchange is rebuilt,
+        anything else ends the requests."""
+        failure = exchange_failure(error)
+        if failure is not None:
+            self._rebuild(failure)
+            return
+        log.exception("engine step failed")
+        self._abort_all(f"engine step failed: {one_line(error)}")
 
     def _abort_all(self, message: str) -> None:
         """End every request with `message` and free its pages, but a reserved one's: its
@@ -305,6 +337,29 @@ class EngineLoop:
             self._fail(f"rebuilding the expert-parallel exchange failed: {one_line(error)}")
             return
         log.warning("rebuilt the expert-parallel exchange: serving again")
+
+    def _regroup(self, why: str) -> None:
+        """An elastic instance's ranks after a failure: agree on who is left and go on over
+        them; the loop stops (`_fail`) if this rank was left out or that fails."""
+        log.error("%s: agreeing with the other ranks on who is left", why)
+        started = time.monotonic()
+        self.failed_steps += 1
+        if self.failed_steps > 1:  # the same requests failed again: they may be why
+            self._abort_all(why)
+        before = self.engine.runner.ranks
+        self.engine.leave_group()  # its connections close: peers waiting on this rank fail now
+        self.membership.leave()
+        try:
+            survivors = self.membership.agree()
+            self.engine.regroup(self.membership.join(), survivors)
+        except Exception as error:
+            log.exception("the instance could not go on over the ranks left")
+            self._fail(f"the instance could not go on over the ranks left: {one_line(error)}")
+            return
+        log.warning(
+            "serving again over %d of %d ranks, %.1f s after the failure",
+            len(survivors), before, time.monotonic() - started,
+        )  # fmt: skip
 
     def _expire(self) -> None:
         """Free the held pages whose lease ran out; forget releases kept long enough."""

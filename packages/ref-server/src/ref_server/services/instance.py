@@ -62,7 +62,8 @@ class InstanceService(rpc.InstanceServicer):
 
     async def GetLoad(self, request, context):
         mapped = self.puller.num_mapped if self.puller else 0
-        return pb.WorkerLoad(**self.loop.load, mapped_caches=mapped)
+        configured = self.info.ranks
+        return pb.WorkerLoad(**self.loop.load, mapped_caches=mapped, configured_ranks=configured)
 
 
 class PrefillService(rpc.PrefillServicer, rpc.KvTransferServicer):

@@ -33,6 +33,7 @@ from ref_server.engine import Engine, EplbConfig, SchedulerConfig
 from ref_server.model.checkpoint import read_config, without_absent_mtp
 from ref_server.services.aio import background
 from ref_server.services.config import ServeConfig
+from ref_server.services.elastic import Membership
 from ref_server.services.engine_loop import EngineLoop
 from ref_server.services.instance import DecodeService, InstanceService, PrefillService
 from ref_server.services.kv_transfer import MAX_MESSAGE_BYTES, KvPuller
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SUPERVISOR_ENV = "REF_SERVER_SUPERVISOR_PID"  # set by --role all for its children
+ELASTIC_GPU_ENV = "REF_SERVER_ELASTIC_GPU"  # 1: --elastic on GPUs too, where it has not run
 ROUTER_SERVICE = pb.DESCRIPTOR.services_by_name["Router"].full_name
 # Requests this far over max_request_bytes still reach the router's check, which names the
 # limit; larger ones grpc refuses as they arrive (RESOURCE_EXHAUSTED).
@@ -108,6 +110,11 @@ def torch_device(config: ServeConfig) -> torch.device:
         device = torch.device("cuda", config.rank % count if device.index is None else device.index)
         if device.index >= count:
             raise ValueError(f"device {config.device}: only {count} CUDA devices here")
+        if config.elastic and os.environ.get(ELASTIC_GPU_ENV) != "1":
+            raise ValueError(
+                f"--elastic has run on the CPU only (ep_comm's torch backend over gloo); "
+                f"{ELASTIC_GPU_ENV}=1 tries it on GPUs"
+            )
     return device
 
 
@@ -116,10 +123,27 @@ def scheduler_config(config: ServeConfig) -> SchedulerConfig:
     return SchedulerConfig(**{name: getattr(config, name) for name in names})
 
 
-def join_group(config: ServeConfig) -> dist.ProcessGroup | None:
-    """This instance's gloo group, once every rank has joined; None for one rank."""
+def membership(config: ServeConfig) -> Membership | None:
+    """An elastic instance's (`ref_server.services.elastic`): None without --elastic."""
+    if not config.elastic:
+        return None
+    return Membership(
+        config.group_address,
+        config.rank,
+        config.ranks,
+        timeout=timedelta(seconds=config.failure_timeout_s),
+        startup_timeout=timedelta(seconds=config.group_timeout_s),
+        host_store=config.group_store == "rank0" and config.rank == 0,
+    )
+
+
+def join_group(config: ServeConfig, members: Membership | None = None) -> dist.ProcessGroup | None:
+    """This instance's gloo group, once every rank has joined; None for one rank. members:
+    an elastic instance's, whose first group it is."""
     if config.ranks == 1:
         return None
+    if members is not None:
+        return members.join()
     address = config.group_address
     dist.init_process_group(
         "gloo",
@@ -155,8 +179,14 @@ def load_model(
 
 
 def expert_slots(config: ServeConfig, args: M.ModelArgs) -> dict:
-    """The model's expert slots and their placement, where the instance balances experts."""
-    if not (config.redundant_experts or config.eplb_interval or config.expert_placement):
+    """The model's expert slots and their placement, where the instance balances experts or
+    is elastic (its slots are placed anew over the ranks left when it loses some)."""
+    if not (
+        config.redundant_experts
+        or config.eplb_interval
+        or config.expert_placement
+        or config.elastic
+    ):
         return {}
     slots = args.n_routed_experts + config.redundant_experts
     if slots % config.ranks:
@@ -282,15 +312,26 @@ async def _until(stop: asyncio.Event | None) -> None:
             stop.set()
 
 
-async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, stop=None):
+async def run_instance(
+    config: ServeConfig,
+    secret: str,
+    engine: Engine,
+    members: Membership | None = None,
+    stop: asyncio.Event | None = None,
+):
+    """Serve `engine` until `stop` (or a signal); members: an elastic instance's, whose
+    process then also ends when its engine loop stops for good (a supervisor sees it)."""
     aio_loop = asyncio.get_running_loop()
     health_service = health.aio.HealthServicer()
+    stop = stop or asyncio.Event()
 
     def failed() -> None:  # the ranks lost each other: out of service for good
         for name in health_names(""):
             asyncio.run_coroutine_threadsafe(health_service.set(name, NOT_SERVING), aio_loop)
+        if members is not None:
+            aio_loop.call_soon_threadsafe(stop.set)
 
-    loop = EngineLoop(engine, config.hold_seconds, group, on_failure=failed)
+    loop = EngineLoop(engine, config.hold_seconds, members, on_failure=failed)
     args, cache = engine.model.args, engine.runner.cache
     info = pb.InstanceInfo(
         role=config.role,
@@ -412,10 +453,14 @@ def serve(config: ServeConfig) -> None:
         return
     torch_device(config)
     slots = expert_slots(config, model_args(config))
-    group = join_group(config)
+    members = membership(config)
+    # no name here holds the group: an elastic instance drops it to close its connections
+    model = load_model(config, join_group(config, members), slots)
+    if members is not None:  # buffers built from now on wait as long as the group
+        model.expert_parallel.timeout = members.timeout
     thresholds = Thresholds(config.two_batch_decode_tokens, config.two_batch_prefill_tokens)
     engine = Engine(
-        load_model(config, group, slots),
+        model,
         scheduler_config(config),
         two_batch=config.two_batch,
         thresholds=thresholds,
@@ -424,4 +469,6 @@ def serve(config: ServeConfig) -> None:
         overlap_steps=config.overlap_steps,
         draft_tokens=config.draft_tokens if config.speculative == "mtp" else 0,
     )
-    asyncio.run(run_instance(config, secret, engine, group))
+    if members is not None:
+        members.ready()
+    asyncio.run(run_instance(config, secret, engine, members))

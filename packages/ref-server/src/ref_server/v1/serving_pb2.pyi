@@ -169,7 +169,7 @@ class ServerInfo(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., serving: bool = ..., problem: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "kv_usage", "queued_tokens", "queued_flops", "held", "mapped_caches", "expert_rebalances", "expert_bytes_moved", "draft_acceptance_rate", "accepted_length")
+    __slots__ = ("running", "waiting", "kv_usage", "queued_tokens", "queued_flops", "held", "mapped_caches", "expert_rebalances", "expert_bytes_moved", "draft_acceptance_rate", "accepted_length", "ranks", "configured_ranks")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,8 @@ class WorkerLoad(_message.Message):
     EXPERT_BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_RANKS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     kv_usage: float
@@ -192,7 +194,9 @@ class WorkerLoad(_message.Message):
     expert_bytes_moved: int
     draft_acceptance_rate: float
     accepted_length: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., queued_flops: _Optional[float] = ..., held: _Optional[int] = ..., mapped_caches: _Optional[int] = ..., expert_rebalances: _Optional[int] = ..., expert_bytes_moved: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., accepted_length: _Optional[float] = ...) -> None: ...
+    ranks: int
+    configured_ranks: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., queued_tokens: _Optional[int] = ..., queued_flops: _Optional[float] = ..., held: _Optional[int] = ..., mapped_caches: _Optional[int] = ..., expert_rebalances: _Optional[int] = ..., expert_bytes_moved: _Optional[int] = ..., draft_acceptance_rate: _Optional[float] = ..., accepted_length: _Optional[float] = ..., ranks: _Optional[int] = ..., configured_ranks: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,154 @@
+"""Who the ranks of an elastic instance are (`--elastic`), agreed in a store that outlives any
+one of them.
+
+The members are the ranks an instance started with, by their first rank ("member id"); each
+generation of members has a gloo process group of its own (rank: the member's place among
+them, its keys under `group/<generation>/` in the store). A rank that finds a collective failed
+(a peer's connection closed, or a wait past `timeout`) drops its group, which closes its
+connections, so that the ranks still waiting on it fail at once too, and calls `agree`:
+
+- **who answered** (observation): each rank that arrives sets `answered/<generation>/<id>`;
+  every rank also beats (`beat/<id>`, every BEAT_S from a thread of its own, so also while
+  it waits in a collective or computes). A member that has not answered is waited for while
+  it beats, at most `timeout`; one whose beat stopped for STALE_S (killed, stopped, its host
+  gone) is not.
+- **who is a member** (agreement): the first rank done waiting writes the members of the next
+  generation, those that answered, with a compare-and-set; every rank reads the one value that
+  won. A rank left out of it (it answered too late) stops; the others form the next
+  generation's group (`join`).
+
+So a rank that dies is agreed lost within STALE_S of the first failed collective (which fails
+at once where its connections close, else within `timeout`), and a rank that stops answering
+but beats (hung in a kernel) within `timeout` more.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+BEAT_S = 0.2  # between a rank's heartbeats
+STALE_S = 2.0  # a heartbeat unchanged this long: the rank is gone
+POLL_S = 0.05  # between looks at the store while agreeing
+
+
+class LeftOut(RuntimeError):
+    """This rank is no member of the instance any more: the others agreed without it."""
+
+
+class Membership:
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        ranks: int,
+        timeout: timedelta,
+        startup_timeout: timedelta,
+        host_store: bool = False,
+    ) -> None:
+        """The store at address ("host:port"), hosted by this process with host_store (then
+        the instance cannot agree once this process is gone); rank of ranks, the member id;
+        timeout: how long any wait on the other ranks lasts once the instance has started
+        (`ready`), startup_timeout before (loading the model included)."""
+        host, port = address.rsplit(":", 1)
+
+        def client(is_master: bool = False) -> dist.TCPStore:
+            return dist.TCPStore(
+                host,
+                int(port),
+                is_master=is_master,
+                timeout=startup_timeout,
+                wait_for_workers=False,
+            )
+
+        self.store = client(host_store)
+        self.member, self.members = rank, list(range(ranks))
+        self.generation = 0
+        self.timeout = timeout
+        self.stopped = threading.Event()
+        beats = client()  # a client per thread: they are not thread-safe
+        self._beating = threading.Thread(target=self._beat, args=(beats,), daemon=True)
+        self._beating.start()
+
+    def _beat(self, beats: dist.TCPStore) -> None:
+        key, count = f"beat/{self.member}", 0
+        while not self.stopped.wait(BEAT_S):
+            count += 1
+            try:
+                beats.set(key, str(count))
+            except RuntimeError:  # the store is gone: agree() will say so
+                return
+
+    def close(self) -> None:
+        self.stopped.set()
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.member)
+
+    def join(self) -> dist.ProcessGroup:
+        """The current members' process group, the default one, once all of them have joined
+        (each waits at most the store's timeout, and its collectives as long)."""
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"group/{self.generation}", self.store),
+            rank=self.rank,
+            world_size=len(self.members),
+            timeout=self.store.timeout,
+        )
+        return dist.group.WORLD
+
+    def ready(self) -> None:
+        """The instance has started: from now on every wait lasts `timeout`."""
+        self.store.set_timeout(self.timeout)
+        dist.distributed_c10d._set_pg_timeout(self.timeout)
+
+    def leave(self) -> None:
+        """Destroy the process group. Its connections close once no one holds it any more
+        (the caller drops what does first; cycles are collected here)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+    def agree(self) -> list[int]:
+        """After a failure, with the others: the members left, as their ranks in the group
+        before (survivor i becomes rank i of the next group, `join`). LeftOut when they agreed
+        without this rank."""
+        generation, before = self.generation, self.members
+        decided = f"members/{generation + 1}"
+        self.store.set(f"answered/{generation}/{self.member}", "")
+        beats: dict[int, tuple[str | None, float]] = {}  # member: (its beat, when it changed)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check([decided]):
+            answered = [m for m in before if self.store.check([f"answered/{generation}/{m}"])]
+            absent = [m for m in before if m not in answered]
+            now = time.monotonic()
+            for m in absent:
+                beat = self._read(f"beat/{m}")
+                if m not in beats or beats[m][0] != beat:
+                    beats[m] = (beat, now)
+            if now >= deadline or all(now - beats[m][1] >= STALE_S for m in absent):
+                self.store.compare_set(decided, "", json.dumps(answered))
+                break
+            time.sleep(POLL_S)
+        members = json.loads(self.store.get(decided))
+        self.generation += 1
+        if self.member not in members:
+            raise LeftOut(
+                f"rank {self.member} was left out of the instance: the others agreed on ranks "
+                f"{members} of {before} without it (it answered too late)"
+            )
+        self.members = members
+        lost = sorted(set(before) - set(members))
+        log.warning("the instance's ranks agreed on %s (lost: %s)", members, lost or "none")
+        return [before.index(m) for m in members]
+
+    def _read(self, key: str) -> str | None:
+        return self.store.get(key).decode() if self.store.check([key]) else None

@@ -1,0 +1,121 @@
+"""One rank of an elastic expert-parallel instance in the elastic tests (loaded by path in a
+spawned process): an engine loop serving its own requests, of which `victim` is lost mid-step
+(killed, or stopped and later continued by the test). What it served goes to `results`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import torch
+
+import ref_server.model as M
+from ref_server.engine import Engine, SchedulerConfig
+from ref_server.services.elastic import Membership
+from ref_server.services.engine_loop import EngineLoop
+
+CONFIG = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_model_len=256)
+MAX_TOKENS = 24
+
+
+def prompts_of(rank: int, name: str) -> list[list[int]]:
+    """Two prompts per rank, different on every rank and for every name."""
+    first = 3 + 17 * rank + (50 if name == "later" else 0)
+    return [list(range(first, first + n)) for n in (9, 30)]
+
+
+def lose_mid_step(model, signal_number: int, prefill: bool, store) -> None:
+    """In the second MoE layer of this rank's first prefill step (prefill) or third decode
+    step, this process sends itself `signal_number`, after noting the time in the store."""
+    steps = {"decode": 0}
+    forward_step, moe = model.forward_step, model.moe_layers()[1]
+    dispatch = moe.op_dispatch_a
+
+    def counted(batch, *args, **kwargs):
+        if batch.is_decode:
+            steps["decode"] += 1
+        armed = not batch.is_decode if prefill else steps["decode"] == 3
+        moe.op_dispatch_a = lost if armed else dispatch
+        return forward_step(batch, *args, **kwargs)
+
+    def lost(state):
+        moe.op_dispatch_a = dispatch
+        store.set("lost_at", repr(time.time()))
+        os.kill(os.getpid(), signal_number)
+        return dispatch(state)  # continued (SIGCONT) after SIGSTOP
+
+    model.forward_step = counted
+
+
+def serve(
+    rank: int,
+    ranks: int,
+    address: str,
+    path: str,
+    victim: int,
+    fault: str,
+    failure_timeout: float,
+    results,
+) -> None:
+    """Serve two requests ("first"), then two more once the instance has lost `victim`
+    ("later"); put (rank, what happened) on results: each request's tokens with their times
+    and how it ended, and the members this rank ended with (or why it stopped)."""
+    members = Membership(
+        address, rank, ranks, timedelta(seconds=failure_timeout), timedelta(seconds=120)
+    )
+    model = M.from_pretrained(
+        path, dtype=torch.float32, group=members.join(), num_physical_experts=8
+    )
+    model.expert_parallel.timeout = members.timeout
+    engine = Engine(model, CONFIG, two_batch="off")
+    members.ready()
+    if rank == victim:
+        kind = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        lose_mid_step(model, kind, prefill=fault == "stop", store=members.store)
+    stopped = threading.Event()
+    loop = EngineLoop(engine, membership=members, on_failure=stopped.set)
+    served: dict[str, dict] = {}
+
+    def start(name: str) -> None:
+        params = M.SamplingParams(max_tokens=MAX_TOKENS)
+        admitted = []
+        for i, prompt in enumerate(prompts_of(rank, name)):
+            request_id = f"{name}-{rank}-{i}"
+            record = served[request_id] = dict(prompt=prompt, tokens=[], times=[], end=None)
+
+            def sink(event, record=record):
+                if event[0] == "token":
+                    record["tokens"].append(event[1])
+                    record["times"].append(time.time())
+                else:
+                    record["end"] = event
+
+            add = lambda e, p=prompt, r=request_id: e.add(p, params, r)  # noqa: E731
+            admitted.append((record, loop.open(request_id, add, sink)))
+        for record, admission in admitted:
+            try:
+                admission.result(timeout=60)
+            except RuntimeError as error:  # the loop stopped first
+                record["end"] = ("refused", str(error))
+
+    def ended() -> bool:
+        return all(r["end"] is not None for r in served.values())
+
+    start("first")
+    deadline = time.monotonic() + 120
+    while members.generation == 0 and not stopped.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not stopped.is_set():
+        start("later")
+    while not (ended() or stopped.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    results.put((rank, dict(served=served, members=members.members, failure=loop.failure)))
+    results.close()
+    results.join_thread()
+    # every rank ends at once, when the test has every result: to the others, one that
+    # stopped alone would be a lost rank
+    members.store.wait(["finish"], timedelta(seconds=120))
+    os._exit(0)

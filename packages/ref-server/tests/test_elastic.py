@@ -1,0 +1,201 @@
+"""Elastic expert parallelism on the CPU: an instance of gloo ranks (`elastic_ranks.py`, each
+in a process of its own, the store in the test's) loses a rank in the middle of a step and
+goes on over the others, and how the ranks agree on who is left (`Membership.agree`)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ref_server.model as M
+from ref_server.engine import FinishReason
+from ref_server.services import elastic
+from ref_server.services.deployment import free_port
+from ref_server.services.elastic import LeftOut, Membership
+
+RANKS = Path(__file__).with_name("elastic_ranks.py")
+FAILURE_TIMEOUT_S = 6.0
+SERVING_AGAIN_S = 10.0  # the goal on the CPU, from the loss to the survivors' next token
+
+
+@pytest.fixture
+def checkpoint(checkpoints, tmp_path):
+    checkpoints.write(tmp_path, seed=31, hidden_size=128)
+    return tmp_path
+
+
+def run_instance(path, ranks: int, victim: int, fault: str) -> tuple[dict, float, dict]:
+    """Spawn the ranks, one of which is lost (fault "kill": SIGKILL mid-decode; "stop":
+    SIGSTOP mid-prefill, then SIGCONT once the others have served again): each rank's
+    results, when the victim was lost, and the store the ranks met in."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    spec = RANKS.as_posix()
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(spec, rank, ranks, f"127.0.0.1:{port}", str(path), victim, fault, results),
+            daemon=True,
+        )
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        process.start()
+    got = {}
+    try:
+        deadline = time.monotonic() + 240
+        survivors = set(range(ranks)) - {victim}
+        while not survivors <= got.keys():
+            rank, value = results.get(timeout=max(deadline - time.monotonic(), 1))
+            got[rank] = value
+        if fault == "stop":  # continued, the victim finds itself left out
+            os.kill(processes[victim].pid, signal.SIGCONT)
+            rank, value = results.get(timeout=60)
+            got[rank] = value
+        lost_at = float(store.get("lost_at"))
+        store.set("finish", "")
+    except queue.Empty:
+        pytest.fail(f"ranks {sorted(set(range(ranks)) - got.keys())} did not report in time")
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+    return got, lost_at, store
+
+
+def _rank_main(spec, *args):
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("elastic_ranks", spec)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    module.serve(*args[:-1], FAILURE_TIMEOUT_S, args[-1])
+
+
+@pytest.mark.parametrize(("ranks", "victim", "fault"), [(4, 2, "kill"), (4, 0, "stop")])
+def test_an_instance_goes_on_over_the_ranks_it_did_not_lose(
+    checkpoint, serving, ranks, victim, fault
+):
+    """Four ranks serving two requests each; rank 2 is killed (SIGKILL) in its third decode
+    step, or rank 0, whose process holds nothing the others need, stops (SIGSTOP) in its first
+    prefill step, in the middle of an MoE layer. The other ranks agree on who is left, take
+    its experts and go on: every one of their requests completes with the tokens one process
+    would give (its greedy tokens within the exchange's bf16 rounding), none is lost, the
+    first token after the loss comes within the goal (killed: at once the connections close;
+    stopped: within the failure timeout), and two requests each sent after the loss complete
+    too. The stopped rank, continued, finds itself left out and ends its requests with that
+    error."""
+    got, lost_at, _ = run_instance(checkpoint, ranks, victim, fault)
+    reference = M.from_pretrained(checkpoint, dtype=torch.float32)
+    survivors = [r for r in range(ranks) if r != victim]
+    bound = SERVING_AGAIN_S if fault == "kill" else FAILURE_TIMEOUT_S + SERVING_AGAIN_S
+    for rank in survivors:
+        result = got[rank]
+        assert result["failure"] is None, result["failure"]
+        assert result["members"] == survivors
+        assert len(result["served"]) == 4
+        for request_id, record in result["served"].items():
+            assert record["end"] == ("done", FinishReason.LENGTH), (request_id, record["end"])
+            assert len(record["tokens"]) == 24
+            assert serving.near_greedy(reference, record["prompt"], record["tokens"]), request_id
+        after = [t for r in result["served"].values() for t in r["times"] if t > lost_at]
+        assert min(after) - lost_at < bound, (rank, min(after) - lost_at)
+    if fault == "stop":
+        left_out = got[victim]
+        assert "was left out of the instance" in left_out["failure"]
+        for record in left_out["served"].values():  # running, or not admitted yet
+            kind, message = record["end"]
+            assert kind in ("error", "refused") and "was left out" in message
+
+
+@pytest.fixture
+def memberships():
+    """memberships(ranks, timeout): one per rank of an instance, in a store of their own
+    (their heartbeats stop before it goes)."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    made = []
+
+    def make(ranks: int, timeout: float = 20.0) -> list[Membership]:
+        made.extend(
+            Membership(f"127.0.0.1:{port}", r, ranks, timedelta(seconds=timeout), timedelta(20))
+            for r in range(ranks)
+        )
+        return made[-ranks:]
+
+    yield make
+    for membership in made:
+        membership.close()
+    time.sleep(2 * elastic.BEAT_S)
+    del server
+
+
+def agree_in_threads(members: list[Membership]) -> dict[int, list[int] | str]:
+    """Each membership's agree(), at once, each in a thread: survivors, or LeftOut's text."""
+    outcomes = {}
+
+    def agree(m):
+        try:
+            outcomes[m.member] = m.agree()
+        except LeftOut as error:
+            outcomes[m.member] = str(error)
+
+    threads = [threading.Thread(target=agree, args=(m,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return outcomes
+
+
+def test_ranks_that_all_answer_stay_members_without_waiting(memberships):
+    members = memberships(3)
+    started = time.monotonic()
+    assert agree_in_threads(members) == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    assert time.monotonic() - started < 1.0
+    assert [m.generation for m in members] == [1, 1, 1]
+
+
+def test_a_rank_whose_heartbeat_stops_is_agreed_lost(memberships, monkeypatch):
+    """Member 1 of 4 never answers and stops beating: the others wait for its beat to go
+    stale (STALE_S), not for the timeout, then agree on 0, 2, 3 (ranks 0, 2, 3 before); a
+    second failure then agrees among those three, member 3 lost too."""
+    monkeypatch.setattr(elastic, "STALE_S", 1.0)
+    members = memberships(4)
+    time.sleep(0.5)  # every member has beaten
+    members[1].close()
+    started = time.monotonic()
+    outcomes = agree_in_threads([members[0], members[2], members[3]])
+    waited = time.monotonic() - started
+    assert outcomes == {0: [0, 2, 3], 2: [0, 2, 3], 3: [0, 2, 3]}
+    assert 1.0 <= waited < 5.0
+    assert [m.members for m in members if m.member != 1] == [[0, 2, 3]] * 3
+    assert [m.rank for m in (members[0], members[2], members[3])] == [0, 1, 2]
+    members[3].close()
+    assert agree_in_threads([members[0], members[2]]) == {0: [0, 1], 2: [0, 1]}
+    assert members[2].members == [0, 2] and members[2].rank == 1
+
+
+def test_a_rank_that_beats_but_never_answers_is_left_out_at_the_timeout(memberships, monkeypatch):
+    """Member 2 beats but does not answer (hung in a kernel): the others decide at their
+    timeout without it; when it answers later, it learns it was left out."""
+    monkeypatch.setattr(elastic, "STALE_S", 0.5)
+    members = memberships(3, timeout=3.0)
+    started = time.monotonic()
+    assert agree_in_threads(members[:2]) == {0: [0, 1], 1: [0, 1]}
+    assert 3.0 <= time.monotonic() - started < 6.0
+    with pytest.raises(LeftOut, match=r"rank 2 was left out .* agreed on ranks \[0, 1\] of"):
+        members[2].agree()
