@@ -6,6 +6,8 @@ of them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -261,3 +263,32 @@ def test_the_serve_settings_default_to_the_policys_and_the_indexs_defaults():
 def test_bad_router_settings_are_named(fields, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**fields)
+
+
+def test_an_instance_serving_with_fewer_ranks_counts_for_as_much_less():
+    """The workers of an elastic instance serving with 3 of its 4 ranks: each has room for 3/4
+    of its sequences, and its prefill queue counts 4/3 as long. So a decode request goes to a
+    whole instance's worker once the degraded one holds 6 of 8 (its lower KV use
+    notwithstanding), and a prefill to the whole one when their queues are equal."""
+    import asyncio
+
+    from ref_server.services.workers import Worker
+    from ref_server.v1 import serving_pb2 as pb
+
+    async def snapshots() -> list[InstanceLoad]:
+        workers = [Worker(f"w-{i}", "decode", "127.0.0.1:1", "secret") for i in range(2)]
+        for worker, ranks, kv in zip(workers, (4, 3), (0.5, 0.1), strict=True):
+            worker.info = pb.InstanceInfo(max_running=8, ranks=4)
+            worker.load = pb.WorkerLoad(
+                ranks=ranks, configured_ranks=4, queued_tokens=300, kv_usage=kv
+            )
+            worker.assigned = 6
+        await asyncio.gather(*(w.channel.close() for w in workers))
+        return [w.snapshot() for w in workers]
+
+    whole, degraded = asyncio.run(snapshots())
+    assert (whole.capacity, degraded.capacity) == (8, 6)
+    assert (whole.queued_tokens, degraded.queued_tokens) == (300, 400)
+    assert pick_decode([degraded, whole]) == 1
+    assert pick_decode([dataclasses.replace(degraded, assigned=5), whole]) == 0
+    assert pick_prefill([degraded, whole], [0, 0], 4, POLICY) == (1, LOAD)

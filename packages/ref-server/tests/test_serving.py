@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -641,6 +642,67 @@ def test_a_rank_that_dies_takes_its_instance_out_of_service(serving):
         for rank in ranks:
             rank.kill()
             rank.wait()
+
+
+def test_an_elastic_instance_goes_on_over_the_rank_it_has_left(reference, serving):
+    """`--role all --ranks 2 --elastic`: decode rank 1 is killed while requests stream from both
+    decode ranks. Its own requests end UNAVAILABLE; rank 0's complete with the reference's
+    greedy tokens; the supervisor leaves rank 0 running; the router reports the instance's
+    degraded size (GetServerInfo, /metrics, /health) and requests complete afterwards."""
+    config = serving.config(ranks=2, elastic=True, failure_timeout_s=10)
+    running = Deployment(config, startup_timeout=300)
+    try:
+        client = Client(running.address)
+        decode = running.addresses("decode")
+        survivor = running.children[decode[0]]
+        prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(6)]
+        outcomes = {}
+
+        def run(i: int) -> None:
+            try:
+                result = client.generate(prompts[i], temperature=0, max_tokens=160, timeout=120)
+                outcomes[i] = list(result.token_ids)
+            except grpc.RpcError as error:
+                outcomes[i] = error.code()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        serving.wait_until(
+            lambda: all(w.load.running for w in client.server_info().workers if w.role == "decode"),
+            60,
+            "both decode ranks decoding",
+        )
+        running.children[decode[1]].kill()
+        for thread in threads:
+            thread.join(timeout=180)
+        lost = [i for i, o in outcomes.items() if o == grpc.StatusCode.UNAVAILABLE]
+        kept = [i for i, o in outcomes.items() if isinstance(o, list)]
+        assert lost and kept and len(lost) + len(kept) == len(prompts), outcomes
+        for i in kept:
+            assert len(outcomes[i]) == 160
+            assert serving.near_greedy(reference, prompts[i], outcomes[i])
+
+        def degraded(worker) -> bool:
+            return worker.load.ranks == 1 and worker.load.configured_ranks == 2
+
+        serving.wait_until(
+            lambda: any(w.name == "decode-0" and degraded(w) for w in client.server_info().workers),
+            30,
+            "the router sees decode-0 serve with 1 of its 2 ranks",
+        )
+        base = f"http://127.0.0.1:{config.http_port}"
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        assert 'ref_server_worker_ranks{worker="decode-0"} 1.0' in text
+        assert 'ref_server_worker_configured_ranks{worker="decode-0"} 2.0' in text
+        health = json.loads(urllib.request.urlopen(f"{base}/health", timeout=5).read())
+        assert {"worker": "decode-0", "ranks": 1, "configured_ranks": 2} in health["degraded"]
+        after = client.generate(prompts[0], temperature=0, max_tokens=12, timeout=60)
+        assert serving.near_greedy(reference, prompts[0], list(after.token_ids))
+        assert survivor.poll() is None and running.children[decode[0]] is survivor
+        client.close()
+    finally:
+        running.stop()
 
 
 def consecutive_free_ports() -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -193,11 +194,13 @@ def regroup_experts(model, survivors: list[int], group: dist.ProcessGroup, load=
         device = moe.location.load.device
         moe.location = ExpertLocation(location.num_logical, per_rank * ranks, ranks).to(device)
         moved += _move(moe, old, new, group, lambda m, experts: reload_experts(model, m, experts))
+    source = model.weights_from
+    source = f"the checkpoint {source}" if isinstance(source, Path) else f"seed {source}"
     log.warning(
-        "re-placed %d MoE layers' experts over %d ranks, %d slots each: %.1f MB from the "
+        "placed the experts of %d MoE layers over %d ranks of %d slots: %.1f MB from the "
         "survivors' slots (%.1f MB between ranks), %.1f MB from %s",
         len(layers), ranks, per_rank, (moved.copied + moved.sent) / 1e6, moved.sent / 1e6,
-        moved.loaded / 1e6, model.weights_from,
+        moved.loaded / 1e6, source,
     )  # fmt: skip
     return moved
 

@@ -7,7 +7,9 @@ deployment's internal secret through their environment (one is generated unless
 `internal_secret_file` or REF_SERVER_INTERNAL_SECRET gives it). A supervisor thread restarts
 a process that dies (all ranks of its instance together, with a growing delay); while an
 instance is down the router routes around it, and says NOT_SERVING if it was the last of its
-role. `stop()` (or Ctrl-C, SIGTERM under `serve`) stops them all.
+role. An elastic instance (`--elastic`) goes on over the ranks it has left, so it is restarted
+only once every rank has ended; the supervisor hosts the store its ranks agree in, which so
+outlives any of them. `stop()` (or Ctrl-C, SIGTERM under `serve`) stops them all.
 
 On GPUs (device auto or cuda), the n-th rank started, counting over instances, runs on GPU n
 mod the GPU count: on 8 GPUs a prefill and a decode instance of 4 ranks each take GPUs 0-3
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import grpc
 import torch
+import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ref_server.services.config import ServeConfig
@@ -136,15 +139,30 @@ class Unit:
 
     role: str
     commands: dict[str, list[str]]  # by gRPC address
+    elastic: bool = False  # the instance goes on while any rank lives
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     deaths: int = 0  # in a row, without a healthy start between
     restart_at: float | None = None
+    store: dist.TCPStore | None = None  # an elastic instance's, where its ranks agree
+    lost: set[str] = field(default_factory=set)  # an elastic instance's ranks that ended
 
     def start(self, env: dict[str, str]) -> None:
+        if self.elastic:  # a new store each start: the old one holds the last start's members
+            port = free_port()
+            self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            for command in self.commands.values():
+                command[command.index("--group-address") + 1] = f"127.0.0.1:{port}"
+            self.lost = set()
         self.processes = {a: subprocess.Popen(c, env=env) for a, c in self.commands.items()}
 
+    def ended(self) -> dict[str, int]:
+        """The exit codes of the processes that ended, by address."""
+        return {a: p.poll() for a, p in self.processes.items() if p.poll() is not None}
+
     def dead(self) -> bool:
-        return any(p.poll() is not None for p in self.processes.values())
+        """Whether it must start again: an elastic instance once every rank has ended."""
+        ended = self.ended()
+        return len(ended) == len(self.processes) if self.elastic else bool(ended)
 
     def kill(self, timeout: float = 10) -> None:
         for process in self.processes.values():
@@ -210,15 +228,18 @@ class Deployment:
         for role in roles:
             group_address = f"127.0.0.1:{free_port()}" if config.ranks > 1 else None
             commands = {}
+            elastic = config.elastic and config.ranks > 1
             for rank in range(config.ranks):  # the router balances over every rank
                 port = free_port()
                 launch = dict(role=role, host="127.0.0.1", port=port, rank=rank)
                 launch["group_address"] = group_address
+                if elastic:  # at a store of the supervisor's (Unit.start)
+                    launch["group_store"] = "external"
                 if gpus:
                     launch["device"] = f"cuda:{started % gpus}"
                 started += 1
                 commands[f"127.0.0.1:{port}"] = serve_command(config, **launch)
-            units.append(Unit(role, commands))
+            units.append(Unit(role, commands, elastic))
         return units
 
     def _wait(self, unit: Unit) -> None:
@@ -239,6 +260,7 @@ class Deployment:
         now = time.monotonic()
         if unit.restart_at is None:
             if not unit.dead():
+                self._note_lost_ranks(unit)
                 return
             codes = {a: p.poll() for a, p in unit.processes.items()}
             unit.kill()  # the other ranks of a broken instance cannot go on alone
@@ -258,6 +280,17 @@ class Deployment:
             unit.restart_at = None
             unit.start(self.env)
             threading.Thread(target=self._healthy_again, args=(unit,), daemon=True).start()
+
+    @staticmethod
+    def _note_lost_ranks(unit: Unit) -> None:
+        for address, code in unit.ended().items():
+            if address not in unit.lost:
+                unit.lost.add(address)
+                left = len(unit.processes) - len(unit.lost)
+                log.warning(
+                    "%s rank %s ended (exit code %s); its instance goes on over %d ranks",
+                    unit.role, address, code, left,
+                )  # fmt: skip
 
     def _healthy_again(self, unit: Unit) -> None:
         try:

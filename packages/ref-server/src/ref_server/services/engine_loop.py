@@ -172,6 +172,8 @@ class EngineLoop:
 
     def stop(self) -> None:
         self.stopped = True
+        if self.membership is not None:  # its peers, stopping too, need not wait for its answer
+            self.membership.close()
         self.commands.put((None, None))
         self.thread.join(timeout=10)
 
@@ -340,7 +342,11 @@ class EngineLoop:
 
     def _regroup(self, why: str) -> None:
         """An elastic instance's ranks after a failure: agree on who is left and go on over
-        them; the loop stops (`_fail`) if this rank was left out or that fails."""
+        them; the loop stops (`_fail`) if this rank was left out or that fails, or if it is
+        stopping (its peers are, too)."""
+        if self.stopped:
+            self._fail(why)
+            return
         log.error("%s: agreeing with the other ranks on who is left", why)
         started = time.monotonic()
         self.failed_steps += 1

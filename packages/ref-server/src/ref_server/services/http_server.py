@@ -79,9 +79,16 @@ def create_app(router: Router, keys: ApiKeys, serving, metrics, max_request_byte
 
     @app.get("/health")
     async def health():
+        degraded = [
+            {"worker": w.name, "ranks": w.load.ranks, "configured_ranks": w.load.configured_ranks}
+            for w in router.pool.workers
+            if w.routable and w.share < 1
+        ]
+        details = {"degraded": degraded} if degraded else {}
         if serving():
-            return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "problem": router.pool.problem}, 503)
+            return {"status": "ok", **details}
+        body = {"status": "unavailable", "problem": router.pool.problem, **details}
+        return JSONResponse(body, 503)
 
     @app.get("/metrics")
     async def prometheus():

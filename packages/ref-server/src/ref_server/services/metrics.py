@@ -105,6 +105,19 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.ranks = Gauge(
+            "ref_server_worker_ranks",
+            "ranks the worker's instance serves with now: fewer than it started with "
+            "(ref_server_worker_configured_ranks) once an elastic instance lost some",
+            ["worker"],
+            registry=r,
+        )
+        self.configured_ranks = Gauge(
+            "ref_server_worker_configured_ranks",
+            "ranks the worker's instance started with",
+            ["worker"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "ref_server_worker_healthy",
             "1 if the router routes to the worker",
@@ -146,6 +159,8 @@ class Metrics:
             self.expert_bytes_moved.labels(w.name).set(w.load.expert_bytes_moved)
             self.draft_acceptance_rate.labels(w.name).set(w.load.draft_acceptance_rate)
             self.accepted_length.labels(w.name).set(w.load.accepted_length)
+            self.ranks.labels(w.name).set(w.load.ranks)
+            self.configured_ranks.labels(w.name).set(w.load.configured_ranks)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -91,14 +91,22 @@ class Worker:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     @property
+    def share(self) -> float:
+        """The share of its ranks its instance serves with (1 but after an elastic instance
+        lost some): its steps take longer by as much, so it counts for as much less."""
+        load = self.load
+        return load.ranks / load.configured_ranks if load.configured_ranks else 1.0
+
+    @property
     def capacity(self) -> int:
-        return self.info.max_running if self.info else 0
+        """The sequences it runs at once, for as much as its instance serves with."""
+        return int(self.info.max_running * self.share) if self.info else 0
 
     def snapshot(self) -> InstanceLoad:
         load = self.load
         return InstanceLoad(
             name=self.name,
-            queued_tokens=load.queued_tokens + self.routed_tokens,
+            queued_tokens=round((load.queued_tokens + self.routed_tokens) / self.share),
             queued_flops=load.queued_flops,
             running=load.running,
             kv_usage=load.kv_usage,
