@@ -32,6 +32,7 @@ declare -A PENDING=(
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
+  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's gpu tests, REF_SERVER_ELASTIC_GPU's path): four ranks sharing the GPU lose one mid-decode (SIGKILL) or mid-prefill (SIGSTOP) and go on over new ep_comm buffers among the others (CUDA IPC, and NVSHMEM initialized again in the same processes, which may not work); then ref-model's expert-parallel tests, whose engine loop and model changed with it (test_expert_parallel_recovery_gpu.py, test_expert_balancing_gpu.py)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -65,6 +66,14 @@ ref-model-ab() {
     REF_SERVER_FUSED_SWIGLU=1 $bench --json "$logs/ref-model-ab-swiglu.json" &&
     echo "== --overlap-steps on" &&
     $bench --overlap-steps on --json "$logs/ref-model-ab-overlap.json"
+}
+
+elastic() {
+  local tests=packages/ref-server/tests
+  python3 -m pytest -q -m gpu $tests/test_elastic.py
+  local status=$?
+  python3 -m pytest -q -m gpu $tests/test_expert_{parallel_recovery,balancing}_gpu.py || return 1
+  return $status
 }
 
 indexer() {

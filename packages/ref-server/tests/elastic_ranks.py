@@ -1,6 +1,7 @@
 """One rank of an elastic expert-parallel instance in the elastic tests (loaded by path in a
 spawned process): an engine loop serving its own requests, of which `victim` is lost mid-step
-(killed, or stopped and later continued by the test). What it served goes to `results`."""
+(killed, or stopped and later continued by the test) or whose exchange fails. What it served
+goes to `results`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 import ref_server.model as M
 from ref_server.engine import Engine, SchedulerConfig
@@ -27,24 +29,31 @@ def prompts_of(rank: int, name: str) -> list[list[int]]:
     return [list(range(first, first + n)) for n in (9, 30)]
 
 
-def lose_mid_step(model, signal_number: int, prefill: bool, store) -> None:
-    """In the second MoE layer of this rank's first prefill step (prefill) or third decode
-    step, this process sends itself `signal_number`, after noting the time in the store."""
-    steps = {"decode": 0}
+def inject(model, fault: str, store) -> None:
+    """The fault, after noting the time in the store: "kill" (SIGKILL) or "stop" (SIGSTOP) in
+    the second MoE layer of this rank's third decode step ("kill") or first prefill step
+    ("stop"); "fail": after its third decode step its buffer reports a failure, as a kernel
+    that timed out leaves it (every rank raises EPCommError from the step's check)."""
+    steps = {"decode": 0, "armed": 0}
     forward_step, moe = model.forward_step, model.moe_layers()[1]
     dispatch = moe.op_dispatch_a
 
     def counted(batch, *args, **kwargs):
-        if batch.is_decode:
-            steps["decode"] += 1
-        armed = not batch.is_decode if prefill else steps["decode"] == 3
-        moe.op_dispatch_a = lost if armed else dispatch
+        steps["decode"] += batch.is_decode
+        armed = not batch.is_decode if fault == "stop" else steps["decode"] == 3
+        armed = armed and not steps["armed"]  # once
+        steps["armed"] += armed
+        if armed and fault == "fail":
+            buffer = model.expert_parallel.buffer
+            store.set("lost_at", repr(time.time()))
+            buffer.failure = lambda: "injected: a kernel timed out"
+        moe.op_dispatch_a = lost if armed and fault != "fail" else dispatch
         return forward_step(batch, *args, **kwargs)
 
     def lost(state):
         moe.op_dispatch_a = dispatch
         store.set("lost_at", repr(time.time()))
-        os.kill(os.getpid(), signal_number)
+        os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         return dispatch(state)  # continued (SIGCONT) after SIGSTOP
 
     model.forward_step = counted
@@ -57,24 +66,33 @@ def serve(
     path: str,
     victim: int,
     fault: str,
+    device: str,
     failure_timeout: float,
     results,
 ) -> None:
     """Serve two requests ("first"), then two more once the instance has lost `victim`
     ("later"); put (rank, what happened) on results: each request's tokens with their times
-    and how it ended, and the members this rank ended with (or why it stopped)."""
+    and how it ended, and the members this rank ended with (or why it stopped). On CUDA every
+    rank uses GPU 0."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
     members = Membership(
         address, rank, ranks, timedelta(seconds=failure_timeout), timedelta(seconds=120)
     )
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = M.from_pretrained(
-        path, dtype=torch.float32, group=members.join(), num_physical_experts=8
+        path, dtype=dtype, device=device, group=members.join(), num_physical_experts=8
     )
     model.expert_parallel.timeout = members.timeout
     engine = Engine(model, CONFIG, two_batch="off")
     members.ready()
+    host, port = address.rsplit(":", 1)
+
+    def client() -> dist.TCPStore:  # the membership's is the engine loop's: not thread-safe
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
+
     if rank == victim:
-        kind = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
-        lose_mid_step(model, kind, prefill=fault == "stop", store=members.store)
+        inject(model, fault, client())
     stopped = threading.Event()
     loop = EngineLoop(engine, membership=members, on_failure=stopped.set)
     served: dict[str, dict] = {}
@@ -117,5 +135,5 @@ def serve(
     results.join_thread()
     # every rank ends at once, when the test has every result: to the others, one that
     # stopped alone would be a lost rank
-    members.store.wait(["finish"], timedelta(seconds=120))
+    client().wait(["finish"])
     os._exit(0)

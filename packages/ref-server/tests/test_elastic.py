@@ -34,10 +34,12 @@ def checkpoint(checkpoints, tmp_path):
     return tmp_path
 
 
-def run_instance(path, ranks: int, victim: int, fault: str) -> tuple[dict, float, dict]:
+def run_instance(
+    path, ranks: int, victim: int, fault: str, device: str = "cpu"
+) -> tuple[dict, float, dict]:
     """Spawn the ranks, one of which is lost (fault "kill": SIGKILL mid-decode; "stop":
-    SIGSTOP mid-prefill, then SIGCONT once the others have served again): each rank's
-    results, when the victim was lost, and the store the ranks met in."""
+    SIGSTOP mid-prefill, then SIGCONT once the others have served again) or has its exchange
+    fail ("fail"): each rank's results, when the fault came, and the store the ranks met in."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
@@ -46,7 +48,17 @@ def run_instance(path, ranks: int, victim: int, fault: str) -> tuple[dict, float
     processes = [
         context.Process(
             target=_rank_main,
-            args=(spec, rank, ranks, f"127.0.0.1:{port}", str(path), victim, fault, results),
+            args=(
+                spec,
+                rank,
+                ranks,
+                f"127.0.0.1:{port}",
+                str(path),
+                victim,
+                fault,
+                device,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(ranks)
@@ -56,7 +68,7 @@ def run_instance(path, ranks: int, victim: int, fault: str) -> tuple[dict, float
     got = {}
     try:
         deadline = time.monotonic() + 240
-        survivors = set(range(ranks)) - {victim}
+        survivors = set(range(ranks)) - ({victim} if fault in ("kill", "stop") else set())
         while not survivors <= got.keys():
             rank, value = results.get(timeout=max(deadline - time.monotonic(), 1))
             got[rank] = value
@@ -98,9 +110,32 @@ def test_an_instance_goes_on_over_the_ranks_it_did_not_lose(
     stopped: within the failure timeout), and two requests each sent after the loss complete
     too. The stopped rank, continued, finds itself left out and ends its requests with that
     error."""
-    got, lost_at, _ = run_instance(checkpoint, ranks, victim, fault)
-    reference = M.from_pretrained(checkpoint, dtype=torch.float32)
-    survivors = [r for r in range(ranks) if r != victim]
+    check_goes_on(checkpoint, serving, ranks, victim, fault, "cpu")
+
+
+def test_an_exchange_that_fails_without_losing_a_rank_keeps_every_request(checkpoint, serving):
+    """Rank 1's buffer reports a failure after its third decode step (as a kernel that timed
+    out leaves it): every rank raises from the step's check, all four agree on themselves, go
+    on over a new group and buffer, and every request completes with one process's tokens."""
+    check_goes_on(checkpoint, serving, 4, 1, "fail", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("victim", "fault"), [(2, "kill"), (0, "stop")])
+def test_an_instance_on_the_gpu_goes_on_over_the_ranks_it_did_not_lose(
+    checkpoint, serving, victim, fault
+):
+    """As on the CPU, the four ranks sharing one GPU: they exchange through ep_comm's cuda
+    backends (CUDA IPC for prefill, NVSHMEM for decode, whose steps replay from CUDA
+    graphs)."""
+    check_goes_on(checkpoint, serving, 4, victim, fault, "cuda")
+
+
+def check_goes_on(checkpoint, serving, ranks: int, victim: int, fault: str, device: str) -> None:
+    got, lost_at, _ = run_instance(checkpoint, ranks, victim, fault, device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    reference = M.from_pretrained(checkpoint, dtype=dtype, device=device)
+    survivors = [r for r in range(ranks) if r != victim or fault == "fail"]
     bound = SERVING_AGAIN_S if fault == "kill" else FAILURE_TIMEOUT_S + SERVING_AGAIN_S
     for rank in survivors:
         result = got[rank]

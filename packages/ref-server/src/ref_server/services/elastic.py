@@ -68,7 +68,7 @@ class Membership:
                 wait_for_workers=False,
             )
 
-        self.store = client(host_store)
+        self.store = client(host_store)  # the agreement's: a client is not safe to share
         self.member, self.members = rank, list(range(ranks))
         self.generation = 0
         self.timeout = timeout

@@ -28,8 +28,9 @@ agreement fails on a rank (a peer died or stopped answering, an exchange failed,
 its own): it drops its group, agrees with the others on who is left (`Membership.agree`), and
 they form a new group over which the lost ranks' experts are placed anew (`Engine.regroup`).
 Requests keep their state and the failed step runs again (it changed none), so they complete
-with the tokens they would have had; only a second failure in a row, which they may be the
-cause of, ends them with the error. Those of a lost rank were in its process.
+with the tokens they would have had; only a step that fails again with every rank there,
+which they may be the cause of, ends them with the error. Those of a lost rank were in its
+process.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class EngineLoop:
         self.membership = membership
         self.on_failure = on_failure
         self.failure: str | None = None
-        self.failed_steps = 0  # in a row (elastic): the second ends the requests
+        self.failed_steps = 0  # in a row with every rank there (elastic): the second ends them
         self.commands: queue.Queue = queue.Queue()
         self.sinks: dict[str, Callable[[tuple], None]] = {}
         self.leases: dict[str, float] = {}  # held request -> when its pages are freed
@@ -342,16 +343,13 @@ class EngineLoop:
 
     def _regroup(self, why: str) -> None:
         """An elastic instance's ranks after a failure: agree on who is left and go on over
-        them; the loop stops (`_fail`) if this rank was left out or that fails, or if it is
-        stopping (its peers are, too)."""
+        them; the loop stops (`_fail`) if this rank was left out or that fails (a rank lost
+        meanwhile among them), or if it is stopping (its peers are, too)."""
         if self.stopped:
             self._fail(why)
             return
         log.error("%s: agreeing with the other ranks on who is left", why)
         started = time.monotonic()
-        self.failed_steps += 1
-        if self.failed_steps > 1:  # the same requests failed again: they may be why
-            self._abort_all(why)
         before = self.engine.runner.ranks
         self.engine.leave_group()  # its connections close: peers waiting on this rank fail now
         self.membership.leave()
@@ -366,6 +364,11 @@ class EngineLoop:
             "serving again over %d of %d ranks, %.1f s after the failure",
             len(survivors), before, time.monotonic() - started,
         )  # fmt: skip
+        # a lost rank explains a failure; a step that failed again without one may be its
+        # requests' doing
+        self.failed_steps = 0 if len(survivors) < before else self.failed_steps + 1
+        if self.failed_steps > 1:
+            self._abort_all(why)
 
     def _expire(self) -> None:
         """Free the held pages whose lease ran out; forget releases kept long enough."""
