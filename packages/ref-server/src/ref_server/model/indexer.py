@@ -121,10 +121,16 @@ def indexer_topk(q, weights, index_keys, block_table, positions, topk: int) -> t
     for first in range(0, q.shape[0], QUERY_ROWS_AT_ONCE):
         part = slice(first, first + QUERY_ROWS_AT_ONCE)
         scores = _scores(q[part], weights[part], index_keys, block_table[part], positions[part])
-        values, order = scores.sort(descending=True, stable=True)
-        order = order[:, :topk].int().masked_fill(values[:, :topk] == -math.inf, -1)
-        chosen.append(cache_slots(order, block_table[part], page))
+        chosen.append(cache_slots(top_positions(scores, topk), block_table[part], page))
     return F.pad(torch.cat(chosen), (0, max(topk - length, 0)), value=-1)
+
+
+def top_positions(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The positions of each row's topk largest scores `[n, width]` float32, best first, the
+    earlier among equal ones (a stable sort): int32 `[n, min(topk, width)]`, -1 for a -inf
+    score."""
+    values, order = scores.sort(descending=True, stable=True)
+    return order[:, :topk].int().masked_fill(values[:, :topk] == -math.inf, -1)
 
 
 def _scores(q, weights, index_keys, block_table, positions) -> torch.Tensor:
