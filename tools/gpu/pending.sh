@@ -32,6 +32,7 @@ declare -A PENDING=(
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
+  [dsa-step]="bench_dsa.py's first run: one V3.2 decode step's attention a layer, dense MLA against DSA (the indexer's logits, its stable-sort top-k, slots, sparse MLA; the Triton paths on) over the FP8 cache, batch 32-128, 4K-128K; first a check that DSA over every token gives the dense output"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -70,6 +71,11 @@ ref-model-ab() {
 indexer() {
   python3 -m pytest -q -m gpu packages/ref-server/tests/test_indexer_kernels.py || return 1
   python3 packages/ref-server/benchmarks/bench_indexer.py --json "$logs/indexer.json"
+}
+
+dsa-step() {
+  REF_SERVER_INDEXER_TRITON=1 MLA_KERNELS_SPARSE_BACKEND=triton \
+    python3 packages/ref-server/benchmarks/bench_dsa.py --json "$logs/dsa-step.json"
 }
 
 mla-tests() {
