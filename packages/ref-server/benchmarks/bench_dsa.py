@@ -304,6 +304,10 @@ def timed_row(context: Context, batch: int, s_q: int, cache: str, limits: dict, 
     return row
 
 
+def _onwards(context: int | None) -> str:
+    return f"from {context} tokens on" if context else "at no context measured"
+
+
 def integers(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
@@ -359,7 +363,7 @@ def main() -> None:
         check_comparable(s_q, options.cache, generator)
     print("times and bounds (bd) in µs; indexer: its share of DSA's parts")
     print(
-        f"{'batch':<5} {'context':>7} {'s_q':>3} "
+        f"{'batch':>5} {'context':>7} {'s_q':>3} "
         + " ".join(f"{name:>10}" for name in TIMES)
         + f" {'dense/DSA':>9} {'indexer':>7} {'dense bd':>9} {'DSA bd':>9}"
     )
@@ -376,10 +380,8 @@ def main() -> None:
     measured = pays_from(rows, "dense_us", "dsa_us")
     at_bounds = pays_from(rows, "dense_bound_us", "dsa_bound_us")
     for name, context in measured.items():
-        print(
-            f"{name}: DSA faster than dense from context {context or 'none measured'}; "
-            f"its bound below dense's from {at_bounds[name] or 'none measured'}"
-        )
+        print(f"{name}: DSA faster than dense {_onwards(context)}, its bound below dense's "
+              f"{_onwards(at_bounds[name])}")  # fmt: skip
     if options.json:
         with open(options.json, "w") as f:
             json.dump(
