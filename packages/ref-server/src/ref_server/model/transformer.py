@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         state.rotation = self.rope(step.positions, x.dtype)
         state.hidden = x
         if step.is_decode:
-            heads = self.args.num_attention_heads
+            heads = self.args.num_attention_heads * step.s_q
             state.decode_schedule = self.kernels.decode_attention.schedule(
                 step.cache_seqlens, heads
             )
@@ -256,9 +256,21 @@ class Transformer(nn.Module):
         of `batch` (speculative decoding: a verify step, and the MTP module's drafts): the
         model's, or with previous_hidden `[n, hidden]` the MTP module's, which reads
         batch.input_ids as the tokens after those previous_hidden belong to."""
-        schedule = "decode" if batch.is_decode else "prefill"
         step = batch.metadata(cache, every_row=True)
-        state = self._state(batch.input_ids.to(cache.device), step, 0, False)
+        return self.every_row(batch.input_ids.to(cache.device), step, cache, previous_hidden)
+
+    @torch.no_grad()
+    def every_row(
+        self,
+        input_ids: torch.Tensor,
+        step: StepMetadata,
+        cache: PagedKVCache,
+        previous_hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`every_row_step` on device tensors alone (what `SpeculativeSteps` captures):
+        input_ids `[n]` and step, a `StepMetadata` whose last_rows is None."""
+        state = self._state(input_ids, step, 0, False)
+        schedule = "decode" if step.is_decode else "prefill"
         if previous_hidden is None:
             ops = self.operations(cache, schedule)
         else:
