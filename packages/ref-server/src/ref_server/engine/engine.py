@@ -86,7 +86,7 @@ class Engine:
         self.overlap_steps = overlap_steps == "on"
         self.model = model
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config, **runner_options)
+        self.runner = ModelRunner(model, config, draft_tokens=draft_tokens, **runner_options)
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run

@@ -19,11 +19,15 @@ host behind it, so that `read` waits for that step alone, and a token the host h
 Speculative decoding with the MTP module (`ref_server.model.speculative`) runs `verify` instead
 of `run`: the model over every new token (a sequence's newest one and its drafts) and the
 acceptance of the drafts; then, once the scheduler has taken the tokens, `draft` runs the module
-over the kept tokens' hidden states and drafts the next round's tokens. Both run eagerly.
+over the kept tokens' hidden states and drafts the next round's tokens. After a prefill step
+both run eagerly over the step's tokens; after a decode step through `SpeculativeSteps`, in its
+shapes fixed per batch size, replayed from CUDA graphs with REF_SERVER_MTP_GRAPHS=1 (greedy
+drafting; sampled requests draft eagerly in the same shapes).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -41,10 +45,21 @@ from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import sample_on_device
 from ref_server.model.speculative import accept, draft
+from ref_server.model.speculative_graphs import SpeculativeSteps
 from ref_server.model.step import StepBatch
 
 TWO_BATCH_MODES = ("auto", "on", "off")
 IDLE = -1  # a rank's vote without sequences; else the index of its batch's mode in MODES
+MTP_GRAPHS = "REF_SERVER_MTP_GRAPHS"  # "1": capture speculative decoding's steps on CUDA
+
+
+def mtp_graphs_by_environment() -> bool:
+    """Whether REF_SERVER_MTP_GRAPHS asks for CUDA graphs of speculative decoding's steps: "1"
+    yes, "0" or unset no; ValueError naming the variable on anything else."""
+    value = os.environ.get(MTP_GRAPHS, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{MTP_GRAPHS} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @dataclass(frozen=True)
@@ -98,7 +113,8 @@ class VerifiedStep:
 
     step: Step
     accepted: list[list[int] | None]
-    hidden: torch.Tensor  # `[new tokens, hidden]`: the model's output hidden state of each
+    hidden: torch.Tensor  # the model's output hidden state of each new token, and padding rows
+    ends: list[int]  # where each sequence's rows end in hidden
     starts: list[int]  # each sequence's computed tokens before the step
 
 
@@ -112,13 +128,15 @@ class ModelRunner:
         thresholds: Thresholds | None = None,
         eplb: EplbConfig | None = None,
         prefill_graph_tokens: int = 8192,
+        draft_tokens: int = 0,
     ) -> None:
         """two_batch: "auto" (two microbatches for expert-parallel models, whose exchanges
         they overlap), "on" or "off"; thresholds: the tokens per rank below which a step runs
         one batch (default `Thresholds()`: 64 decode, 512 prefill); eplb: balance the experts
         of a model built with expert slots (`ExpertBalancer`); prefill_graph_tokens: the most
         new tokens of a one-batch prefill step replayed from `PrefillGraphs` (CUDA, one rank;
-        at most max_num_batched_tokens; 0: none)."""
+        at most max_num_batched_tokens; 0: none); draft_tokens: K of speculative decoding
+        (`verify` and `draft`; 0: none), whose steps replace decode and prefill graphs."""
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
@@ -135,11 +153,21 @@ class ModelRunner:
             self.expert_parallel.use_low_latency(
                 config.max_num_seqs, model.args.num_experts_per_tok
             )
-        self.decode_graphs = self._capture_decode_graphs()
+        self.speculative = None
+        if draft_tokens:
+            self.speculative = SpeculativeSteps(
+                model,
+                self.cache,
+                draft_tokens,
+                max_batch=config.max_num_seqs,
+                max_blocks=-(-config.max_model_len // config.block_size),
+                capture_graphs=mtp_graphs_by_environment() and self.device.type == "cuda",
+            )
+        self.decode_graphs = None if draft_tokens else self._capture_decode_graphs()
         self.prefill_graphs = None
         tokens = min(prefill_graph_tokens, config.max_num_batched_tokens)
         eligible = not self.expert_parallel and not model.args.is_sparse  # see PrefillGraphs
-        if self.device.type == "cuda" and eligible and tokens > 0:
+        if self.device.type == "cuda" and eligible and tokens > 0 and not draft_tokens:
             self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
 
@@ -225,51 +253,59 @@ class ModelRunner:
     @torch.no_grad()
     def verify(self, step: Step, forced_acceptance: float | None = None) -> VerifiedStep:
         """Run `step` (each decoding sequence's chunk: its newest token and its drafts) and
-        accept the drafts (`accept`; forced_acceptance: its benchmark hook)."""
+        accept the drafts (`accept`; forced_acceptance: its benchmark hook). A runner built with
+        draft_tokens."""
         batch = self.prepare(step)
-        logits, hidden = self.model.every_row_step(batch, self.cache)
-        accepted, row = [], 0
-        for seq, chunk in zip(step.seqs, step.chunks, strict=True):
+        if step.is_prefill:
+            logits, hidden = self.model.every_row_step(batch, self.cache)
+            ends = np.cumsum(step.chunks).tolist()
+        else:
+            logits, hidden = self.speculative.verify(batch)
+            ends = [(i + 1) * self.speculative.width for i in range(len(step.seqs))]
+        accepted = []
+        for seq, chunk, end in zip(step.seqs, step.chunks, ends, strict=True):
             known = chunk - len(seq.drafts)
             if seq.num_computed + known < len(seq):
                 accepted.append(None)
             else:
-                rows = logits[row + known - 1 : row + chunk]
+                rows = logits[end - len(seq.drafts) - 1 : end]
                 accepted.append(
                     accept(
                         rows, seq.drafts, seq.draft_probs, seq.params, len(seq), forced_acceptance
                     )
                 )
-            row += chunk
-        return VerifiedStep(step, accepted, hidden, [seq.num_computed for seq in step.seqs])
+        return VerifiedStep(step, accepted, hidden, ends, [seq.num_computed for seq in step.seqs])
 
     @torch.no_grad()
     def draft(self, verified: VerifiedStep, counts: dict[Sequence, int]) -> None:
         """After the scheduler took a verified step's tokens: the MTP module reads the hidden
         state of each running sequence's newly kept tokens with the token after each, and
         drafts counts[seq] tokens (none for sequences not in counts) into seq.drafts."""
-        seqs, new, rows, row = [], [], [], 0
-        for seq, chunk, start in zip(
-            verified.step.seqs, verified.step.chunks, verified.starts, strict=True
+        step, seqs, new, rows = verified.step, [], [], []
+        for seq, chunk, end, start in zip(
+            step.seqs, step.chunks, verified.ends, verified.starts, strict=True
         ):
             if seq.status is Status.RUNNING:
                 kept = seq.num_computed - start
                 seqs.append(seq)
                 new.append(seq.tokens[start + 1 : start + kept + 1])
-                rows += range(row, row + kept)
-            row += chunk
+                rows += range(end - chunk, end - chunk + kept)
         if not seqs:
             return
         width = max(len(seq.block_table) for seq in seqs)
         table = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
         batch = StepBatch(
-            torch.tensor([t for n in new for t in n], device=self.device),
+            torch.tensor([t for n in new for t in n]),
             [len(n) for n in new],
             [seq.num_computed for seq in seqs],
             torch.tensor(table, dtype=torch.int32),
         )
         params, wanted = [s.params for s in seqs], [counts.get(s, 0) for s in seqs]
-        drafts, probs = draft(self.model, self.cache, batch, verified.hidden[rows], params, wanted)
+        hidden = verified.hidden[rows]
+        if step.is_prefill:
+            drafts, probs = draft(self.model, self.cache, batch, hidden, params, wanted)
+        else:
+            drafts, probs = self.speculative.draft(batch, hidden, params, wanted)
         for seq, tokens, q in zip(seqs, drafts, probs, strict=True):
             seq.drafts, seq.draft_probs = tokens, q
 
