@@ -28,7 +28,7 @@ declare -A PENDING=(
   [ep-tests]="ep-comm's GPU tests (CUDA IPC rings, NVSHMEM low-latency kernels): the FP8 cast and the low-latency contract moved modules (ep_comm.fp8, ep_comm.low_latency_backend); outputs are allocated before the ranks agree on a call (allocation_fails_between_kernels expects every rank to raise at the dispatch now); host collectives after kernels wait 2 x timeout + 5 s; EP_COMM_OVERFLOW_RETURNS_ROWS (an overflowed rank's combine returns NaN rows, combine.cu) and its test"
   [ep-nvshmem-watchdog]="ep-comm's low-latency GPU tests with EP_COMM_NVSHMEM_WATCHDOG=1: NVSHMEM init, malloc and free on a watchdog thread (the thread sets the CUDA device); when they pass, turn the watchdog on by default"
   [ref-kernels]="ref-server's GPU tests of its kernels, expert_swiglu's fused epilogue (REF_SERVER_FUSED_SWIGLU) among them, then bench_expert_gemm.py's SwiGLU table"
-  [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy; DeepSeek-V3.2's decode from CUDA graphs (test_model_gpu.py) and V3.2 deployments moving index keys through CUDA IPC and NIXL (test_serving_gpu.py)"
+  [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy; DeepSeek-V3.2's decode from CUDA graphs (test_model_gpu.py) and V3.2 deployments moving index keys through CUDA IPC and NIXL (test_serving_gpu.py); MTP's verify and draft steps from CUDA graphs against the eager ones, K = 1-3, V2-Lite and V3.2-Lite shapes (test_speculative_gpu.py; REF_SERVER_MTP_GRAPHS can default to 1 once it passes)"
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
@@ -54,7 +54,7 @@ ref-kernels() {
 
 ref-model() {
   local tests=packages/ref-server/tests
-  python3 -m pytest -q -m gpu $tests/test_{model,serving,two_batch,prefill_graphs}_gpu.py \
+  python3 -m pytest -q -m gpu $tests/test_{model,serving,two_batch,prefill_graphs,speculative}_gpu.py \
     $tests/test_{prefill_attention,expert_balancing,expert_parallel_recovery}_gpu.py \
     $tests/test_repro_run.py
 }
