@@ -97,7 +97,7 @@ def test_padding_rows_stay_in_the_padding_block(preset):
     args = small_lite(preset)
     model = M.from_args(args, seed=5, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(5)
-    eager_cache, graph_cache = random_cache(args, g), random_cache(args, g)
+    eager_cache, graph_cache = random_cache(args, g), M.PagedKVCache(args, 16, 64, device="cuda")
     for mine, theirs in zip(graph_cache.page_tensors, eager_cache.page_tensors, strict=True):
         mine.copy_(theirs)
         mine[graph_cache.padding_block] = float("nan")
