@@ -33,6 +33,7 @@ declare -A PENDING=(
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
   [dsa-step]="bench_dsa.py's first run: one V3.2 decode step's attention a layer, dense MLA against DSA (the indexer's logits, its stable-sort top-k, slots, sparse MLA; the Triton paths on) over the FP8 cache, batch 32-128, 4K-128K; first a check that DSA over every token gives the dense output"
+  [mtp-bench]="bench_speculative.py's first GPU run (v2-lite with its MTP module, random weights): draft and verify steps against a decode step at batches 1-256, the engine's decode tok/s against forced acceptance for K = 1-3 (the speculative engine's first run on CUDA), the projected speed-up at 85-90 %"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -66,6 +67,10 @@ ref-model-ab() {
     REF_SERVER_FUSED_SWIGLU=1 $bench --json "$logs/ref-model-ab-swiglu.json" &&
     echo "== --overlap-steps on" &&
     $bench --overlap-steps on --json "$logs/ref-model-ab-overlap.json"
+}
+
+mtp-bench() {
+  python3 packages/ref-server/benchmarks/bench_speculative.py --json "$logs/mtp-bench.json"
 }
 
 indexer() {
