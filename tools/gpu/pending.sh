@@ -32,6 +32,7 @@ declare -A PENDING=(
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
+  [repro-v32]="ref-server repro's DeepSeek-V3.2 column: the v3 and v3.2 slices side by side at decode KV 4,989, 32,768 and 131,072 with MTP at the published 0.85 (V3.2's verify step measured, V3's projected), even routing; the V3.2 model's first run at full size, through the sparse Triton kernels and the indexer's (run after mla-sparse and indexer)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -83,6 +84,13 @@ mla-sparse() {
   # into a folder on PYTHONPATH, with FLASHMLA_SPARSE_PEER=flashmla_sparse_peer
   python3 packages/mla-kernels/benchmarks/bench_sparse.py ${FLASHMLA_SPARSE_PEER:+--peer} \
     --json "$logs/mla-sparse.json"
+}
+
+repro-v32() {
+  MLA_KERNELS_SPARSE_BACKEND=auto REF_SERVER_INDEXER_TRITON=1 python3 -c \
+    'import sys; from ref_server.cli import main; sys.exit(main(sys.argv[1:]))' \
+    repro --slice v3,v3.2 --kv-length 4989,32768,131072 --mtp-acceptance --zipf 0 \
+    --json "$logs/repro-v32.json"
 }
 
 # bench_decode.py --peer, its JSON named $1, with the arguments that follow.
