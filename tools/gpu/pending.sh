@@ -34,6 +34,7 @@ declare -A PENDING=(
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
   [dsa-step]="bench_dsa.py's first run: one V3.2 decode step's attention a layer, dense MLA against DSA (the indexer's logits, its stable-sort top-k, slots, sparse MLA; the Triton paths on) over the FP8 cache, batch 32-128, 4K-128K; first a check that DSA over every token gives the dense output"
   [mtp-bench]="bench_speculative.py's first GPU run (v2-lite with its MTP module, random weights): draft and verify steps against a decode step at batches 1-256, the engine's decode tok/s against forced acceptance for K = 1-3 (the speculative engine's first run on CUDA), the projected speed-up at 85-90 %"
+  [repro-v32]="ref-server repro's DeepSeek-V3.2 column: the v3 and v3.2 slices side by side at decode KV 4,989, 32,768 and 131,072 with MTP at the published 0.85 (V3.2's verify step measured, V3's projected), even routing; the V3.2 model's first run at full size, through the sparse Triton kernels and the indexer's (run after mla-sparse and indexer)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -94,6 +95,13 @@ mla-sparse() {
   # into a folder on PYTHONPATH, with FLASHMLA_SPARSE_PEER=flashmla_sparse_peer
   python3 packages/mla-kernels/benchmarks/bench_sparse.py ${FLASHMLA_SPARSE_PEER:+--peer} \
     --json "$logs/mla-sparse.json"
+}
+
+repro-v32() {
+  MLA_KERNELS_SPARSE_BACKEND=auto REF_SERVER_INDEXER_TRITON=1 python3 -c \
+    'import sys; from ref_server.cli import main; sys.exit(main(sys.argv[1:]))' \
+    repro --slice v3,v3.2 --kv-length 4989,32768,131072 --mtp-acceptance --zipf 0 \
+    --json "$logs/repro-v32.json"
 }
 
 # bench_decode.py --peer, its JSON named $1, with the arguments that follow.
