@@ -197,7 +197,7 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
         num_parameters=args.num_parameters(),
         eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
         page_size=config.block_size,
-        page_bytes=config.block_size * M.cache_bytes_per_token(args),
+        page_bytes=M.cache_page_bytes(args, config.block_size),
     )
     return facts, tokenizer
 
