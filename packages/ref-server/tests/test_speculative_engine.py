@@ -6,15 +6,18 @@ drafts in the other from the hidden state its pages bring."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 import ref_server.model as M
 import ref_server.model.speculative as S
+from ep_comm.testing import run_ranks
 from ref_server.engine import Engine, FinishReason, Scheduler, SchedulerConfig, Sequence
 from ref_server.model import SamplingParams
 
+SCENARIOS = str(Path(__file__).with_name("model_scenarios.py"))
 BLOCK = 16  # the smallest page the cache takes: runs and rollbacks cross pages
 
 
@@ -199,3 +202,7 @@ def test_the_engine_refuses_what_it_cannot_speculate_with(model):
         Engine(model, config(), draft_tokens=4)
     with pytest.raises(ValueError, match="not with overlapped steps"):
         Engine(model, config(), draft_tokens=1, overlap_steps="on")
+
+
+def test_expert_parallel_engines_draft_the_plain_tokens_over_two_gloo_ranks():
+    run_ranks(2, SCENARIOS, "speculative_engines_match_plain_ones", limit=300)

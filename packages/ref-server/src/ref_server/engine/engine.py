@@ -54,8 +54,8 @@ def speculation_refusal(model, overlap_steps: str, eplb) -> str | None:
         return "the model has no MTP module (num_nextn_predict_layers 0)"
     if overlap_steps == "on":
         return "not with overlapped steps: a round's drafts come from its verified tokens"
-    if model.expert_parallel or eplb:
-        return "not with expert parallelism or expert balancing yet"
+    if eplb:
+        return "not with expert balancing yet: the MTP module's experts stay where they start"
     return None
 
 
@@ -91,7 +91,7 @@ class Engine:
         self.overlap_steps = overlap_steps == "on"
         self.model = model
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config, **runner_options)
+        self.runner = ModelRunner(model, config, speculative=bool(draft_tokens), **runner_options)
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run
@@ -200,11 +200,12 @@ class Engine:
         return updated
 
     def _speculative_step(self, step: Step | None, awaiting: list[Sequence]) -> list[Sequence]:
-        """Verify `step` (None: nothing to verify), then draft the next round for its running
-        sequences and for those `awaiting` their first draft."""
-        verified, updated, counts = None, [], {}
+        """Verify `step` (None: nothing to verify here; an expert-parallel rank takes its share
+        of its peers'), then draft the next round for its running sequences and for those
+        `awaiting` their first draft."""
+        verified = self.runner.verify(step, self.forced_acceptance)
+        updated, counts = [], {}
         if step is not None:
-            verified = self.runner.verify(step, self.forced_acceptance)
             stats = self.speculative_stats
             for seq, tokens in zip(step.seqs, verified.accepted, strict=True):
                 if seq.drafts:
@@ -232,7 +233,10 @@ class Engine:
 
     def _nothing_to_run(self) -> list[Sequence]:
         if self.model.expert_parallel:  # the peers' MoE layers exchange with this rank anyway
-            self.runner.idle()
+            if self.draft_tokens:
+                self._speculative_step(None, [])
+            else:
+                self.runner.idle()
         blocked = self.scheduler.held or self.scheduler.reserved
         if self.has_work() and not blocked:  # add() admits what fits an empty cache
             raise RuntimeError("the scheduler found nothing to run while requests wait")

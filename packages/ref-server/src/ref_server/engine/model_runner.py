@@ -22,6 +22,9 @@ acceptance of the drafts; then, once the scheduler has taken the tokens, `draft`
 over the kept tokens' hidden states and drafts the next round's tokens. Both run eagerly. A
 prefill instance's prompt keeps its last hidden state in its last token's page
 (`PagedKVCache.prompt_hidden`), where a decode instance's `draft` reads it after the transfer.
+Expert-parallel ranks plan a verify step as any step (two microbatches or one, the exchanges'
+mode; `verify(None)` is a rank's share without sequences), and agree on the number of module
+steps (a rank that drafts fewer runs idle ones).
 """
 
 from __future__ import annotations
@@ -131,17 +134,20 @@ class ModelRunner:
         thresholds: Thresholds | None = None,
         eplb: EplbConfig | None = None,
         prefill_graph_tokens: int = 8192,
+        speculative: bool = False,
     ) -> None:
         """two_batch: "auto" (two microbatches for expert-parallel models, whose exchanges
         they overlap), "on" or "off"; thresholds: the tokens per rank below which a step runs
         one batch (default `Thresholds()`: 64 decode, 512 prefill); eplb: balance the experts
         of a model built with expert slots (`ExpertBalancer`); prefill_graph_tokens: the most
         new tokens of a one-batch prefill step replayed from `PrefillGraphs` (CUDA, one rank;
-        at most max_num_batched_tokens; 0: none)."""
+        at most max_num_batched_tokens; 0: none); speculative: the engine verifies and drafts
+        (`verify`, `draft`), eagerly, so no graphs are captured."""
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
         self.config = config
+        self.speculative = speculative
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(
             model.args, config.num_blocks, config.block_size, cache_dtype, self.device
@@ -157,7 +163,7 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         self.prefill_graphs = None
         tokens = min(prefill_graph_tokens, config.max_num_batched_tokens)
-        eligible = not self.expert_parallel and not model.args.is_sparse  # see PrefillGraphs
+        eligible = not (self.expert_parallel or model.args.is_sparse or speculative)
         if self.device.type == "cuda" and eligible and tokens > 0:
             self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
@@ -166,7 +172,9 @@ class ModelRunner:
         """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange
         goes low-latency through ep_comm's cuda backend (up to its T sequences)."""
         ep, config = self.expert_parallel, self.config
-        if self.device.type != "cuda" or (ep and not (ep.low_latency and ep.capturable)):
+        if self.device.type != "cuda" or self.speculative:
+            return None
+        if ep and not (ep.low_latency and ep.capturable):
             return None
         max_batch = config.max_num_seqs
         if ep:
@@ -242,11 +250,24 @@ class ModelRunner:
         return launched
 
     @torch.no_grad()
-    def verify(self, step: Step, forced_acceptance: float | None = None) -> VerifiedStep:
-        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) and
-        accept the drafts (`accept`; forced_acceptance: its benchmark hook)."""
-        batch = self.prepare(step)
-        logits, hidden = self.model.every_row_step(batch, self.cache)
+    def verify(
+        self, step: Step | None, forced_acceptance: float | None = None
+    ) -> VerifiedStep | None:
+        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) as the
+        ranks planned it (`plan`: two microbatches, the exchanges' mode) and accept the drafts
+        (`accept`; forced_acceptance: its benchmark hook). None for step None: this rank's
+        share of its peers' step, if any runs one."""
+        batch = None if step is None else self.prepare(step)
+        plan = self.plan(batch)
+        if batch is None:
+            if plan is not None:
+                schedule = plan.schedule if plan.two_batch else None
+                self.model.idle_step(self.cache, schedule, low_latency=plan.low_latency)
+            return None
+        split = self._split(batch) if plan.two_batch else None
+        logits, hidden = self.model.every_row_step(
+            batch, self.cache, split=split, low_latency=plan.low_latency
+        )
         accepted, row, handed = [], 0, {}
         for seq, chunk in zip(step.seqs, step.chunks, strict=True):
             known = chunk - len(seq.drafts)
@@ -276,9 +297,20 @@ class ModelRunner:
         sequence in counts, the hidden states it has not read yet with the token after each,
         and drafts counts[seq] tokens into seq.drafts. Those are a verified sequence's newly
         kept tokens' (from the step), or for one that awaits its first draft, its prompt's
-        last token's (from that token's page)."""
-        if not counts:
-            return
+        last token's (from that token's page). The ranks of an expert-parallel instance run as
+        many module steps as the one that needs the most, then check the step's exchanges
+        together (EPCommError as `run`)."""
+        needed = max(1, *counts.values()) if counts else 0  # one a draft, one at least
+        steps = max(vote[0] for vote in self._all_gather([needed]))
+        if counts:
+            self._draft(verified, counts, steps)
+        else:
+            for _ in range(steps):
+                self.model.idle_step(self.cache, mtp=True)
+        self._check_exchange()
+        self._step_done()
+
+    def _draft(self, verified: VerifiedStep | None, counts: dict[Sequence, int], steps: int):
         seqs, new, hidden = list(counts), [], []
         dtype = self.model.embed_tokens.weight.dtype
         for seq in seqs:
@@ -299,7 +331,9 @@ class ModelRunner:
             torch.tensor(table, dtype=torch.int32),
         )
         params, wanted = [s.params for s in seqs], [counts[s] for s in seqs]
-        drafts, probs = draft(self.model, self.cache, batch, torch.cat(hidden), params, wanted)
+        drafts, probs = draft(
+            self.model, self.cache, batch, torch.cat(hidden), params, wanted, steps
+        )
         for seq, tokens, q in zip(seqs, drafts, probs, strict=True):
             seq.drafts, seq.draft_probs = tokens, q
 
