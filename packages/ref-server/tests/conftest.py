@@ -338,8 +338,9 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
     expert-parallel over gloo. Requests sent one at a time all land on rank 0 of each instance
     (the balancers' ties), so rank 1 serves its experts through idle steps; sent together they
     spread over both ranks. Every completion is the reference's greedy tokens within the bf16
-    rounding of the exchange. With batch_invariant (CPU float32, where a token's result does
-    not depend on its batch), a prompt gets the same tokens alone or among others."""
+    rounding of the exchange (with --speculative mtp, both decode ranks verified drafts). With
+    batch_invariant (CPU float32, where a token's result does not depend on its batch), a
+    prompt gets the same tokens alone or among others."""
     running = Deployment(config, startup_timeout=300)
     try:
         client = Client(running.address)
@@ -361,6 +362,13 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
             assert together == alone * 3
         for i, completion in enumerate(together):
             assert near_greedy(reference, prompts[i % len(prompts)], list(completion))
+        if config.speculative == "mtp":
+
+            def drafted() -> bool:  # as the router last read the loads
+                workers = client.server_info().workers
+                return all(w.load.accepted_length >= 1 for w in workers if w.role == "decode")
+
+            wait_until(drafted, 3, "drafts verified on both decode ranks")
         client.close()
     finally:
         running.stop()

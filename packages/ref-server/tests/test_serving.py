@@ -578,6 +578,18 @@ def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(serving, p
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
 
+def test_instances_of_two_ranks_draft_with_two_batch_overlap(reference, serving):
+    """`--speculative mtp` on instances of two ranks with every step of two tokens or more in
+    two overlapped microbatches (verify steps too): the reference's greedy tokens within the
+    exchange's rounding. A rank without requests takes its experts' share of its peer's
+    verify and module steps, also while the peer drafts a handed-over request's first round."""
+    config = serving.config(
+        ranks=2, speculative="mtp", draft_tokens=3, two_batch="on", two_batch_decode_tokens=2,
+        two_batch_prefill_tokens=2,
+    )  # fmt: skip
+    serving.instances_of_two_ranks(config, reference, batch_invariant=False)
+
+
 def test_instances_balance_their_experts_while_serving(reference, serving, tmp_path):
     """Instances of two ranks, each MoE layer in 10 expert slots for 8 experts, starting from
     a saved placement and placing their experts anew every 3 steps (weights moving between

@@ -71,10 +71,16 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
         deployment.stop()
 
 
-def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving):
+@pytest.mark.parametrize("speculative", ["off", "mtp"])
+def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving, speculative):
     """The tiny preset in four processes sharing the GPU: each instance's two ranks move MoE
-    rows with ep_comm's cuda backend (CUDA IPC), an idle rank in lockstep with a busy one."""
-    config = serving.config(seed=SEED, device="cuda", ranks=2)
+    rows with ep_comm's cuda backend (CUDA IPC), an idle rank in lockstep with a busy one; with
+    --speculative mtp and two-batch overlap, through verify and module steps too."""
+    drafting = dict(draft_tokens=3, two_batch="on", two_batch_decode_tokens=2)
+    config = serving.config(
+        seed=SEED, device="cuda", ranks=2, speculative=speculative,
+        **(drafting if speculative == "mtp" else {}),
+    )  # fmt: skip
     reference = M.from_preset("tiny", seed=SEED, dtype=torch.bfloat16, device="cuda")
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
