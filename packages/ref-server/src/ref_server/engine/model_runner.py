@@ -19,13 +19,19 @@ host behind it, so that `read` waits for that step alone, and a token the host h
 Speculative decoding with the MTP module (`ref_server.model.speculative`) runs `verify` instead
 of `run`: the model over every new token (a sequence's newest one and its drafts) and the
 acceptance of the drafts; then, once the scheduler has taken the tokens, `draft` runs the module
-over the kept tokens' hidden states and drafts the next round's tokens. Both run eagerly.
+over the kept tokens' hidden states and drafts the next round's tokens. Both run eagerly. A
+prefill instance's prompt keeps its last hidden state in its last token's page
+(`PagedKVCache.prompt_hidden`), where a decode instance's `draft` reads it after the transfer.
+Expert-parallel ranks plan a verify step as any step (two microbatches or one, the exchanges'
+mode; `verify(None)` is a rank's share without sequences), and agree on the number of module
+steps (a rank that drafts fewer runs idle ones).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -35,7 +41,7 @@ from overlap_sched.gating import MODES, Thresholds, wants_overlap
 from overlap_sched.split import split_decode, split_prefill
 from ref_server.engine.expert_balancer import EplbConfig, ExpertBalancer
 from ref_server.engine.scheduler import SchedulerConfig, Step
-from ref_server.engine.sequence import Sequence, Status
+from ref_server.engine.sequence import Sequence
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.prefill_graphs import PrefillGraphs
@@ -101,6 +107,22 @@ class VerifiedStep:
     hidden: torch.Tensor  # `[new tokens, hidden]`: the model's output hidden state of each
     starts: list[int]  # each sequence's computed tokens before the step
 
+    @cached_property
+    def _places(self) -> dict[Sequence, tuple[int, int]]:
+        """Each sequence's first row in the step, and its computed tokens before it."""
+        firsts = accumulate(self.step.chunks[:-1], initial=0)
+        return {
+            seq: (first, start)
+            for seq, first, start in zip(self.step.seqs, firsts, self.starts, strict=True)
+        }
+
+    def module_input(self, seq: Sequence) -> tuple[list[int], torch.Tensor]:
+        """What the MTP module reads of a sequence of the step once the scheduler took its
+        tokens: the token after each newly kept one, and their hidden states `[kept, hidden]`."""
+        first, start = self._places[seq]
+        kept = seq.num_computed - start
+        return seq.tokens[start + 1 : start + kept + 1], self.hidden[first : first + kept]
+
 
 class ModelRunner:
     def __init__(
@@ -112,17 +134,20 @@ class ModelRunner:
         thresholds: Thresholds | None = None,
         eplb: EplbConfig | None = None,
         prefill_graph_tokens: int = 8192,
+        speculative: bool = False,
     ) -> None:
         """two_batch: "auto" (two microbatches for expert-parallel models, whose exchanges
         they overlap), "on" or "off"; thresholds: the tokens per rank below which a step runs
         one batch (default `Thresholds()`: 64 decode, 512 prefill); eplb: balance the experts
         of a model built with expert slots (`ExpertBalancer`); prefill_graph_tokens: the most
         new tokens of a one-batch prefill step replayed from `PrefillGraphs` (CUDA, one rank;
-        at most max_num_batched_tokens; 0: none)."""
+        at most max_num_batched_tokens; 0: none); speculative: the engine verifies and drafts
+        (`verify`, `draft`), eagerly, so no graphs are captured."""
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
         self.config = config
+        self.speculative = speculative
         self.device = model.embed_tokens.weight.device
         self.cache = PagedKVCache(
             model.args, config.num_blocks, config.block_size, cache_dtype, self.device
@@ -138,7 +163,7 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         self.prefill_graphs = None
         tokens = min(prefill_graph_tokens, config.max_num_batched_tokens)
-        eligible = not self.expert_parallel and not model.args.is_sparse  # see PrefillGraphs
+        eligible = not (self.expert_parallel or model.args.is_sparse or speculative)
         if self.device.type == "cuda" and eligible and tokens > 0:
             self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
@@ -147,7 +172,9 @@ class ModelRunner:
         """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange
         goes low-latency through ep_comm's cuda backend (up to its T sequences)."""
         ep, config = self.expert_parallel, self.config
-        if self.device.type != "cuda" or (ep and not (ep.low_latency and ep.capturable)):
+        if self.device.type != "cuda" or self.speculative:
+            return None
+        if ep and not (ep.low_latency and ep.capturable):
             return None
         max_batch = config.max_num_seqs
         if ep:
@@ -223,12 +250,25 @@ class ModelRunner:
         return launched
 
     @torch.no_grad()
-    def verify(self, step: Step, forced_acceptance: float | None = None) -> VerifiedStep:
-        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) and
-        accept the drafts (`accept`; forced_acceptance: its benchmark hook)."""
-        batch = self.prepare(step)
-        logits, hidden = self.model.every_row_step(batch, self.cache)
-        accepted, row = [], 0
+    def verify(
+        self, step: Step | None, forced_acceptance: float | None = None
+    ) -> VerifiedStep | None:
+        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) as the
+        ranks planned it (`plan`: two microbatches, the exchanges' mode) and accept the drafts
+        (`accept`; forced_acceptance: its benchmark hook). None for step None: this rank's
+        share of its peers' step, if any runs one."""
+        batch = None if step is None else self.prepare(step)
+        plan = self.plan(batch)
+        if batch is None:
+            if plan is not None:
+                schedule = plan.schedule if plan.two_batch else None
+                self.model.idle_step(self.cache, schedule, low_latency=plan.low_latency)
+            return None
+        split = self._split(batch) if plan.two_batch else None
+        logits, hidden = self.model.every_row_step(
+            batch, self.cache, split=split, low_latency=plan.low_latency
+        )
+        accepted, row, handed = [], 0, {}
         for seq, chunk in zip(step.seqs, step.chunks, strict=True):
             known = chunk - len(seq.drafts)
             if seq.num_computed + known < len(seq):
@@ -240,26 +280,48 @@ class ModelRunner:
                         rows, seq.drafts, seq.draft_probs, seq.params, len(seq), forced_acceptance
                     )
                 )
+                if seq.hold_pages:  # a prefill instance's prompt, for the decode instance
+                    handed[self._prompt_block(seq)] = row + known - 1
             row += chunk
+        if handed:
+            self.cache.prompt_hidden[list(handed)] = hidden[list(handed.values())].float()
         return VerifiedStep(step, accepted, hidden, [seq.num_computed for seq in step.seqs])
 
+    def _prompt_block(self, seq: Sequence) -> int:
+        """The block of the page that holds seq's prompt's last token."""
+        return seq.block_table[(len(seq.prompt) - 1) // self.cache.page_size]
+
     @torch.no_grad()
-    def draft(self, verified: VerifiedStep, counts: dict[Sequence, int]) -> None:
-        """After the scheduler took a verified step's tokens: the MTP module reads the hidden
-        state of each running sequence's newly kept tokens with the token after each, and
-        drafts counts[seq] tokens (none for sequences not in counts) into seq.drafts."""
-        seqs, new, rows, row = [], [], [], 0
-        for seq, chunk, start in zip(
-            verified.step.seqs, verified.step.chunks, verified.starts, strict=True
-        ):
-            if seq.status is Status.RUNNING:
-                kept = seq.num_computed - start
-                seqs.append(seq)
-                new.append(seq.tokens[start + 1 : start + kept + 1])
-                rows += range(row, row + kept)
-            row += chunk
-        if not seqs:
-            return
+    def draft(self, verified: VerifiedStep | None, counts: dict[Sequence, int]) -> None:
+        """After the scheduler took a verified step's tokens: the MTP module reads, for each
+        sequence in counts, the hidden states it has not read yet with the token after each,
+        and drafts counts[seq] tokens into seq.drafts. Those are a verified sequence's newly
+        kept tokens' (from the step), or for one that awaits its first draft, its prompt's
+        last token's (from that token's page). The ranks of an expert-parallel instance run as
+        many module steps as the one that needs the most, then check the step's exchanges
+        together (EPCommError as `run`)."""
+        needed = max(1, *counts.values()) if counts else 0  # one a draft, one at least
+        steps = max(vote[0] for vote in self._all_gather([needed]))
+        if counts:
+            self._draft(verified, counts, steps)
+        else:
+            for _ in range(steps):
+                self.model.idle_step(self.cache, mtp=True)
+        self._check_exchange()
+        self._step_done()
+
+    def _draft(self, verified: VerifiedStep | None, counts: dict[Sequence, int], steps: int):
+        seqs, new, hidden = list(counts), [], []
+        dtype = self.model.embed_tokens.weight.dtype
+        for seq in seqs:
+            if seq.awaits_draft:
+                seq.awaits_draft = False
+                tokens = seq.tokens[seq.num_computed :]
+                states = self.cache.prompt_hidden[[self._prompt_block(seq)]].to(dtype)
+            else:
+                tokens, states = verified.module_input(seq)
+            new.append(tokens)
+            hidden.append(states)
         width = max(len(seq.block_table) for seq in seqs)
         table = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
         batch = StepBatch(
@@ -268,8 +330,10 @@ class ModelRunner:
             [seq.num_computed for seq in seqs],
             torch.tensor(table, dtype=torch.int32),
         )
-        params, wanted = [s.params for s in seqs], [counts.get(s, 0) for s in seqs]
-        drafts, probs = draft(self.model, self.cache, batch, verified.hidden[rows], params, wanted)
+        params, wanted = [s.params for s in seqs], [counts[s] for s in seqs]
+        drafts, probs = draft(
+            self.model, self.cache, batch, torch.cat(hidden), params, wanted, steps
+        )
         for seq, tokens, q in zip(seqs, drafts, probs, strict=True):
             seq.drafts, seq.draft_probs = tokens, q
 
