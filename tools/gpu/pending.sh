@@ -28,11 +28,13 @@ declare -A PENDING=(
   [ep-tests]="ep-comm's GPU tests (CUDA IPC rings, NVSHMEM low-latency kernels): the FP8 cast and the low-latency contract moved modules (ep_comm.fp8, ep_comm.low_latency_backend); outputs are allocated before the ranks agree on a call (allocation_fails_between_kernels expects every rank to raise at the dispatch now); host collectives after kernels wait 2 x timeout + 5 s; EP_COMM_OVERFLOW_RETURNS_ROWS (an overflowed rank's combine returns NaN rows, combine.cu) and its test"
   [ep-nvshmem-watchdog]="ep-comm's low-latency GPU tests with EP_COMM_NVSHMEM_WATCHDOG=1: NVSHMEM init, malloc and free on a watchdog thread (the thread sets the CUDA device); when they pass, turn the watchdog on by default"
   [ref-kernels]="ref-server's GPU tests of its kernels, expert_swiglu's fused epilogue (REF_SERVER_FUSED_SWIGLU) among them, then bench_expert_gemm.py's SwiGLU table"
-  [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy; DeepSeek-V3.2's decode from CUDA graphs (test_model_gpu.py) and V3.2 deployments moving index keys through CUDA IPC and NIXL (test_serving_gpu.py); MTP's verify and draft steps from CUDA graphs against the eager ones, K = 1-3, V2-Lite and V3.2-Lite shapes (test_speculative_gpu.py; REF_SERVER_MTP_GRAPHS can default to 1 once it passes)"
+  [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy; DeepSeek-V3.2's decode from CUDA graphs (test_model_gpu.py) and V3.2 deployments moving index keys through CUDA IPC and NIXL (test_serving_gpu.py); the MTP module's pages and the prompt's last hidden state through CUDA IPC, and a decode engine drafting from it (test_serving_gpu.py::test_cuda_ipc_copies_a_prompt_s_last_hidden_state_with_its_pages); instances of two ranks drafting with two-batch overlap through ep_comm's cuda backend, verify steps through the decode kernel at s_q = K + 1 with padding rows (test_serving_gpu.py::test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda[mtp]); MTP's verify and draft steps from CUDA graphs against the eager ones, K = 1-3, V2-Lite and V3.2-Lite shapes (test_speculative_gpu.py; REF_SERVER_MTP_GRAPHS can default to 1 once it passes)"
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
   [dsa-step]="bench_dsa.py's first run: one V3.2 decode step's attention a layer, dense MLA against DSA (the indexer's logits, its stable-sort top-k, slots, sparse MLA; the Triton paths on) over the FP8 cache, batch 32-128, 4K-128K; first a check that DSA over every token gives the dense output"
+  [mtp-bench]="bench_speculative.py's first GPU run (v2-lite with its MTP module, random weights): draft and verify steps against a decode step at batches 1-256, the engine's decode tok/s against forced acceptance for K = 1-3 (the speculative engine's first run on CUDA), the projected speed-up at 85-90 %"
+  [repro-v32]="ref-server repro's DeepSeek-V3.2 column: the v3 and v3.2 slices side by side at decode KV 4,989, 32,768 and 131,072 with MTP at the published 0.85 (V3.2's verify step measured, V3's projected), even routing; the V3.2 model's first run at full size, through the sparse Triton kernels and the indexer's (run after mla-sparse and indexer)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -68,6 +70,10 @@ ref-model-ab() {
     $bench --overlap-steps on --json "$logs/ref-model-ab-overlap.json"
 }
 
+mtp-bench() {
+  python3 packages/ref-server/benchmarks/bench_speculative.py --json "$logs/mtp-bench.json"
+}
+
 indexer() {
   python3 -m pytest -q -m gpu packages/ref-server/tests/test_indexer_kernels.py || return 1
   python3 packages/ref-server/benchmarks/bench_indexer.py --json "$logs/indexer.json"
@@ -89,6 +95,13 @@ mla-sparse() {
   # into a folder on PYTHONPATH, with FLASHMLA_SPARSE_PEER=flashmla_sparse_peer
   python3 packages/mla-kernels/benchmarks/bench_sparse.py ${FLASHMLA_SPARSE_PEER:+--peer} \
     --json "$logs/mla-sparse.json"
+}
+
+repro-v32() {
+  MLA_KERNELS_SPARSE_BACKEND=auto REF_SERVER_INDEXER_TRITON=1 python3 -c \
+    'import sys; from ref_server.cli import main; sys.exit(main(sys.argv[1:]))' \
+    repro --slice v3,v3.2 --kv-length 4989,32768,131072 --mtp-acceptance --zipf 0 \
+    --json "$logs/repro-v32.json"
 }
 
 # bench_decode.py --peer, its JSON named $1, with the arguments that follow.

@@ -76,7 +76,7 @@ from bench_indexer import (
 
 import mla_kernels
 from ref_server.kernels.indexer import cache_slots, index_topk, triton_by_environment
-from ref_server.model.args import PRESETS, _attended_pairs
+from ref_server.model.args import PRESETS, attended_pairs
 from ref_server.model.cache import IndexKeys
 from ref_server.model.indexer import _scores, indexer_topk, top_positions
 
@@ -199,14 +199,14 @@ def attention_work(pairs: float, tokens_read: float, rows: int, token_bytes: int
 
 
 def dense_work(batch: int, context: int, s_q: int, token_bytes: int):
-    seen = batch * _attended_pairs(s_q, context - s_q)
+    seen = batch * attended_pairs(s_q, context - s_q)
     return attention_work(seen, batch * context, batch * s_q, token_bytes)
 
 
 def dsa_work(batch: int, context: int, s_q: int, token_bytes: int) -> dict[str, tuple]:
     """Each of DSA's parts' FLOPs and bytes (the module's docstring)."""
     rows = batch * s_q
-    picked = batch * _attended_pairs(s_q, context - s_q, TOPK)
+    picked = batch * attended_pairs(s_q, context - s_q, TOPK)
     return {
         "logits": decode_work(batch, context, s_q),
         "topk": (0, rows * context * 4 + rows * TOPK * 4),

@@ -419,7 +419,8 @@ def test_captured_in_a_cuda_graph_and_replayed_with_new_values(monkeypatch):
         arg.copy_(value)
     graph.replay()
     torch.cuda.synchronize()
-    assert_logits(logits, paged_f64(*new), 1e-4)
+    # the replay is the kernel on the new values, bit for bit; its accuracy is tested above
+    assert torch.equal(logits, index_logits_paged(*args))
     assert_topk(positions.flatten(0, 1).cpu(), logits.flatten(0, 1).cpu(), 2048)
     torch.testing.assert_close(slots.cpu(), cache_slots(positions.cpu(), new[4], 64))
 

@@ -14,6 +14,7 @@ import torch
 
 import ref_server.model as M
 import ref_server.model.speculative as S
+from overlap_sched.split import Split, split_decode
 from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model import SamplingParams, StepBatch, speculative_graphs
 from ref_server.model.layers import MLP
@@ -65,13 +66,15 @@ def batch_of(g: torch.Generator, args, lens: list[int], first: int) -> StepBatch
     return StepBatch(ids, lens, context, table)
 
 
+@pytest.mark.parametrize("two_batch", [False, True])
 @pytest.mark.parametrize("preset", ["tiny", "v3.2-tiny"])
-def test_verify_rows_match_the_models_step_over_the_same_tokens(preset):
+def test_verify_rows_match_the_models_step_over_the_same_tokens(preset, two_batch):
     """A verify step of 0 to 3 drafts a sequence (1 to 4 rows in groups of 4) through the decode
-    kernel at s_q = 4 against `every_row_step` over the same tokens (a prefill chunk each,
-    attending to decompressed keys): logits and hidden states within bf16 rounding, the same
-    cache rows written, and nothing read from the padding block, which the groups' padding rows
-    write (it starts as NaN)."""
+    kernel at s_q = 4, as one batch or two overlapped microbatches split between sequences,
+    against `every_row_step` over the same tokens (a prefill chunk each, attending to
+    decompressed keys): logits and hidden states within bf16 rounding, the same cache rows
+    written, and nothing read from the padding block, which the groups' padding rows write (it
+    starts as NaN)."""
     g = torch.Generator().manual_seed(21)
     model = M.from_preset(preset, mtp=True, seed=21)
     want_cache = random_cache(model.args, g)
@@ -80,7 +83,8 @@ def test_verify_rows_match_the_models_step_over_the_same_tokens(preset):
     batch = batch_of(g, model.args, [1, 4, 2, 3], first=5)
     want_logits, want_hidden = model.every_row_step(batch, want_cache)
     steps = SpeculativeSteps(model, got_cache, draft_tokens=3, max_batch=4, max_blocks=3)
-    logits, hidden = steps.verify(batch)
+    split = split_decode(batch.context_lens) if two_batch else None
+    logits, hidden = steps.verify(batch, split)
     assert logits.shape == (16, model.args.vocab_size)
     rows = torch.tensor(
         [r for i, n in enumerate(batch.query_lens) for r in range(4 * i + 4 - n, 4 * i + 4)]
@@ -232,6 +236,9 @@ def test_speculative_steps_refuse_what_they_cannot_run():
         ValueError, match=r"brings 4 tokens; .* at most 3 \(its newest and 2 drafts\)"
     ):
         steps.verify(batch_of(g, model.args, [4, 1], first=5))
+    inside = Split(tokens=(range(2), range(2, 4)), seqs=(range(2), range(1, 2)), cut=1)
+    with pytest.raises(ValueError, match="splits between sequences, not inside one's drafts"):
+        steps.verify(batch_of(g, model.args, [3, 1], first=5), inside)
 
 
 def test_the_switch_is_checked_and_captures_nothing_on_the_cpu(monkeypatch):
@@ -243,3 +250,7 @@ def test_the_switch_is_checked_and_captures_nothing_on_the_cpu(monkeypatch):
     monkeypatch.setenv("REF_SERVER_MTP_GRAPHS", "1")
     runner = Engine(model, config, draft_tokens=1).runner
     assert runner.speculative.width == 2 and not runner.speculative.captured
+    with pytest.raises(
+        ValueError, match="captures one rank's speculative steps as one batch: not with expert"
+    ):
+        Engine(model, config, draft_tokens=1, two_batch="on")

@@ -19,7 +19,9 @@ their outputs are not read.
 `SpeculativeSteps` fills static inputs for each call and runs the steps over them: replayed
 from CUDA graphs captured per batch-size bucket (`capture_graphs`; drafting greedily, the
 argmax on the device), or eagerly at the batch's own size (drafting by `speculative.propose` on
-the host: sampled requests, and tests' stand-ins for the module).
+the host: sampled requests, and tests' stand-ins for the module; the verify step also in two
+overlapped microbatches split between sequences, and through expert-parallel exchanges, which
+the graphs do not capture).
 
     steps = SpeculativeSteps(model, cache, draft_tokens=2, max_batch=64, capture_graphs=True)
     logits, hidden = steps.verify(batch)  # sequence i's rows end at (i + 1) * steps.width
@@ -58,8 +60,11 @@ class SpeculativeSteps:
         speculative.check_draft_tokens(draft_tokens)
         if model.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP module")
-        if model.expert_parallel:
-            raise ValueError("speculative steps run one rank's model: no expert parallelism")
+        if capture_graphs and model.expert_parallel:
+            raise ValueError(
+                "speculative steps' CUDA graphs capture one rank's model: not with expert "
+                "parallelism"
+            )
         self.model, self.cache = model, cache
         self.draft_tokens = draft_tokens
         self.width = draft_tokens + 1  # a sequence's rows in a verify step or a draft's first
@@ -91,21 +96,28 @@ class SpeculativeSteps:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def verify(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(
+        self, batch: StepBatch, split=None, low_latency: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over a decode step's new tokens (each sequence's newest and its drafts, at
         most K + 1): logits `[b * width, vocab]` float32 and output hidden states
         `[b * width, hidden]` of rows where sequence i's end at (i + 1) * width (b: the bucket,
-        or the batch's size if run eagerly); a graph's are overwritten by its next replay."""
+        or the batch's size if run eagerly); a graph's are overwritten by its next replay.
+        split (an `overlap_sched.Split` between sequences) and low_latency, as
+        `Transformer.forward_step`'s, run the step eagerly."""
         n = self._check(batch)
-        size = self._size(n, self.captured)
+        if split is not None and split.cut:
+            raise ValueError("a verify step splits between sequences, not inside one's drafts")
+        replay = self.captured and split is None and not low_latency
+        size = self._size(n, replay)
         ids, positions, slots, real = self._padding(size, 0)
         self._place(batch, self._rows(batch.query_lens), ids, positions, slots, real)
         self.verify_inputs.fill(len(ids), len(ids), ids, positions, slots, real)
         self.block_table.fill(n, size, batch.block_table)
-        if ("verify", size) in self.graphs:
+        if replay:
             self.graphs["verify", size].replay()
             return self.outputs["verify", size]
-        return self.run_verify(size)
+        return self.run_verify(size, None if split is None else split.seqs, low_latency)
 
     def draft(self, batch: StepBatch, hidden: torch.Tensor, params: list, counts: list[int]):
         """`speculative.draft` after a verify step: batch, the token after each row the verify
@@ -135,14 +147,19 @@ class SpeculativeSteps:
         self.run_draft(size, propose)
         return drafts, probs
 
-    def run_verify(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the verify graph of `size` sequences runs, over the filled static inputs."""
-        inputs, rows = self.verify_inputs, slice(size * self.width)
-        step = StepMetadata.decode(
-            inputs.positions[rows], inputs.slot_mapping[rows], self.block_table.tensor[:size],
-            inputs.real_rows[rows], self.width,
-        )  # fmt: skip
-        return self.model.every_row(inputs.input_ids[rows], step, self.cache)
+    def run_verify(self, size: int, parts=None, low_latency: bool = False):
+        """What the verify graph of `size` sequences runs, over the filled static inputs; parts:
+        each microbatch's sequences, ranges (None: one of all)."""
+        inputs, width = self.verify_inputs, self.width
+        microbatches = []
+        for seqs in parts or [range(size)]:
+            rows = slice(seqs.start * width, seqs.stop * width)
+            step = StepMetadata.decode(
+                inputs.positions[rows], inputs.slot_mapping[rows],
+                self.block_table.tensor[seqs.start : seqs.stop], inputs.real_rows[rows], width,
+            )  # fmt: skip
+            microbatches.append((inputs.input_ids[rows], step))
+        return self.model.every_row(microbatches, self.cache, low_latency=low_latency)
 
     def run_draft(self, size: int, choose=None) -> torch.Tensor:
         """What the draft graph of `size` sequences runs, over the filled static inputs: the
@@ -159,15 +176,16 @@ class SpeculativeSteps:
             )  # fmt: skip
 
         first = size * width
+        ids = inputs.input_ids[:first]
         logits, hidden = self.model.every_row(
-            inputs.input_ids[:first], metadata(0, first, width), self.cache, self.hidden[:first]
+            [(ids, metadata(0, first, width))], self.cache, self.hidden[:first]
         )
         # each group's last row: its sequence's newest token's, which drafts the first token
         logits, hidden = logits[width - 1 :: width], hidden[width - 1 :: width]
         drafted = [choose(logits, 0)]
         for j in range(1, self.draft_tokens):
             step = metadata(first + (j - 1) * size, size, 1)
-            logits, hidden = self.model.every_row(drafted[-1], step, self.cache, hidden)
+            logits, hidden = self.model.every_row([(drafted[-1], step)], self.cache, hidden)
             drafted.append(choose(logits, j))
         return torch.stack(drafted)
 

@@ -197,7 +197,7 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
         num_parameters=args.num_parameters(),
         eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
         page_size=config.block_size,
-        page_bytes=config.block_size * M.cache_bytes_per_token(args),
+        page_bytes=M.cache_page_bytes(args, config.block_size),
     )
     return facts, tokenizer
 
@@ -303,6 +303,7 @@ async def run_instance(config: ServeConfig, secret: str, engine: Engine, group, 
         max_running=config.max_num_seqs,
         rank=config.rank,
         ranks=config.ranks,
+        speculative=engine.draft_tokens > 0,
     )
     server = grpc_server(config, [secret_gate(secret)])
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
@@ -353,7 +354,11 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
 
     args = model_args(config)
     expected = Expected(
-        model_fingerprint(config), args.num_hidden_layers, config.block_size, args.cache_width
+        model_fingerprint(config),
+        args.num_hidden_layers,
+        config.block_size,
+        args.cache_width,
+        speculative=config.speculative == "mtp",
     )
     pool = WorkerPool(
         config.prefill,
