@@ -18,8 +18,9 @@ The calls are the model's (`model/attention.py`, `model/indexer.py`), one layer'
 - dense: `flash_mla_with_kvcache` over the block table, causal, check_values off, its split-KV
   schedule computed beforehand (the model computes it once a step for every layer);
 - DSA: `indexer_topk` (the paged logits, each query token a sequence of its own; the selection,
-  a stable sort, `top_positions`; `cache_slots`), then `flash_mla_with_kvcache(..., indices=)`
-  over those slots (the operator the model's `sparse_attention` calls, there on a bf16 cache).
+  `top_positions`, the earlier of tied tokens kept; `cache_slots`), then
+  `flash_mla_with_kvcache(..., indices=)` over those slots (the operator the model's
+  `sparse_attention` calls, there on a bf16 cache).
 At s_q 2 (an MTP verify step) the indexer takes each query token as a row of its own, with its
 sequence's block table row, as the model does; the dense call takes both tokens, causal.
 

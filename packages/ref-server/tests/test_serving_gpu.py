@@ -34,27 +34,29 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
         preset="v2-lite", seed=SEED, device="cuda", num_blocks=512, block_size=64,
         max_model_len=2048, max_num_seqs=128,
     )  # fmt: skip
+    # one process running the instances' engine: prefill from the same graph buckets (padded to
+    # 256 tokens, a prompt may round unlike `generate`'s eager step of its own length), decode at
+    # batch 1; run before the instances start, so that an 80 GB GPU holds two V2-Lite copies
+    model = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
+    one = dataclasses.replace(scheduler_config(config), num_blocks=64, max_num_seqs=1)
+    reference = Engine(model, one, prefill_graph_tokens=config.prefill_graph_tokens)
+    assert reference.runner.prefill_graphs.buckets[0] == 256
+    g = torch.Generator().manual_seed(SEED)
+    # one request at a time, so the greedy tokens agree exactly (pages of 64: the prompts end
+    # inside, at and past a page)
+    prompts = [
+        (torch.randint(2, 100_000, (length,), generator=g).tolist(), max_tokens)
+        for length, max_tokens in ((5, 12), (64, 8), (300, 16))
+    ]
+    wants = [reference.generate([p], M.SamplingParams(max_tokens=n))[0] for p, n in prompts]
+    del reference, model
+    torch.cuda.empty_cache()
     deployment = Deployment(config, startup_timeout=400)
     try:
         client = Client(deployment.address)
-        # one process running the instances' engine: prefill from the same graph buckets
-        # (padded to 256 tokens, a prompt may round unlike `generate`'s eager step of its own
-        # length), decode at batch 1
-        model = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
-        one = dataclasses.replace(scheduler_config(config), num_blocks=64, max_num_seqs=1)
-        reference = Engine(model, one, prefill_graph_tokens=config.prefill_graph_tokens)
-        assert reference.runner.prefill_graphs.buckets[0] == 256
-        g = torch.Generator().manual_seed(SEED)
-        # one request at a time, so the greedy tokens agree exactly (pages of 64: the prompts
-        # end inside, at and past a page)
-        for length, max_tokens in ((5, 12), (64, 8), (300, 16)):
-            prompt = torch.randint(2, 100_000, (length,), generator=g).tolist()
-            want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-            assert (
-                client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=120).token_ids
-                == want
-            )
-        del reference, model
+        for (prompt, max_tokens), want in zip(prompts, wants, strict=True):
+            got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=120)
+            assert got.token_ids == want
         requests = [  # sampled, of many lengths: decode batches of many sizes
             dict(prompt=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
             for i in range(48)
