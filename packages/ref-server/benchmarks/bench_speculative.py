@@ -3,7 +3,7 @@ engine's decode tokens per second against the acceptance rate.
 
     python benchmarks/bench_speculative.py [--preset v2-lite] [--prompt 512]
         [--batches 1,8,32,64,128,256] [--engine-batches 1,32,128] [--draft-tokens 1,2,3]
-        [--rates 0,0.25,0.5,0.7,0.85,0.9,1] [--steps 10] [--reps 5] [--no-gpu-times]
+        [--rates 0,0.25,0.5,0.7,0.85,0.9,1] [--steps 10] [--reps 5]
         [--device cuda|cpu] [--json results.json]
 
 Random weights from the preset with its MTP module (`from_preset(mtp=True)`; tiny on the CPU).
@@ -13,46 +13,52 @@ the first rejected one, so a round of k drafts keeps a + a^2 + ... + a^k of them
 
 Step costs, at each batch of `--batches` with `--prompt` tokens of each sequence in the cache
 (one eager prefill; the module's rows a copy of the last layer's), each step the median of
-`--reps` calls after two, the device synchronized, over the same cache rows every call:
+`--reps` calls after two, the device synchronized, over the same cache rows every call, its new
+tokens on the host as an engine's step prepares them:
 - decode: one token a sequence (`forward_step`), eagerly and replayed from CUDA graphs
   (`DecodeGraphs`, on CUDA), the latter as the plain engine runs it;
-- verify: k + 1 tokens a sequence with every row's logits (`every_row_step`, what
-  `ModelRunner.verify` runs before accepting), eagerly: no graph captures it;
-- draft: the MTP module k times in a chain over one token a sequence (`every_row_step` with the
-  previous hidden states; the next token the argmax, on the device), eagerly as
-  `ModelRunner.draft` runs it (which also reads each draft on the host, per sequence: that part
-  is in the engine's figures).
-On CUDA also each eager step's kernels' sum under torch.profiler (`--no-gpu-times` skips it):
-the GPU's share, what CUDA graphs of the step would leave; an upper bound, as the shared
-experts' stream overlaps the main one. Break-even: the tokens a round must give a sequence for
-verify + draft to cost what as many decode steps cost, (verify + draft) / decode: eager against
-the decode graphs (the paths the engines take today), and kernels' sum against kernels' sum.
+- verify: k + 1 tokens a sequence through `SpeculativeSteps.verify` (the MLA decode kernel at
+  s_q = k + 1), what `ModelRunner.verify` runs before accepting;
+- draft: k tokens a sequence through `SpeculativeSteps.draft` after a verify step that kept
+  every draft (the module over k + 1 rows a sequence, then k - 1 times over one), greedy, as
+  `ModelRunner.draft` runs it, the drafts read on the host.
+Verify and draft run eagerly (the engine's default) and, on CUDA, replayed from the graphs that
+`SpeculativeSteps` captures at the batch (what the engine runs with REF_SERVER_MTP_GRAPHS=1).
+On CUDA also each graph's replay alone: its GPU time, the host's launch hidden
+(`replay_seconds`). Break-even: the tokens a round must give a sequence for verify + draft to
+cost what as many decode steps cost, (verify + draft) / decode: eager and graphs each against
+the decode graphs (the plain engine's path), and replay against replay.
 
 Engine, at each batch of `--engine-batches`: `batch` requests of `--prompt` random tokens
 through an `Engine` as a server drives it (bench_model's `engine_for` and `fill`; end tokens
 ignored, so the batch keeps its size), prefilled, two untimed steps, then `--steps` timed ones:
 first the plain engine (its decode steps replayed from CUDA graphs on CUDA), then one engine
-per K of `--draft-tokens` (`Engine(draft_tokens=K)`: eager verify and draft steps, the drafts
-accepted and proposed per sequence on the host) at each rate of `--rates`, with fresh requests
-for each rate (every rate starts from the same context length). Tokens per second: the timed
-steps' tokens over their seconds; beside it the accepted length measured
+per K of `--draft-tokens` (`Engine(draft_tokens=K)`, the drafts accepted per sequence on the
+host) with its verify and draft steps eager, and on CUDA another with REF_SERVER_MTP_GRAPHS=1
+(replayed from graphs), each at each rate of `--rates`, with fresh requests for each rate
+(every rate starts from the same context length); each row names its path. Tokens per second:
+the timed steps' tokens over their seconds; beside it the accepted length measured
 (`Engine.speculative_stats`) and the one the rate gives, and each step's time split into verify
 (`ModelRunner.verify`, the acceptance included), draft (`ModelRunner.draft`) and the rest (the
 scheduler). Each request has a seed of its own: the acceptance draws are keyed by (seed,
 position), so with one seed every sequence would keep the same drafts.
 
 Projected: the speed-up over the plain engine at DeepSeek-V3's published acceptance of 85-90 %
-(of the second token, K = 1), read off the curve (interpolated between the measured rates): what
-a module that drafts as well as V3's would give through this engine, beside V3's published 1.8x.
+(of the second token, K = 1), read off each path's curve (interpolated between the measured
+rates): what a module that drafts as well as V3's would give through this engine, beside V3's
+published 1.8x.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import os
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -60,14 +66,15 @@ from bench_model import (
     engine_for,
     fill,
     median_seconds,
-    profile_step,
     replay_seconds,
     step_times,
 )
 
 import ref_server.model as M
-from ref_server.model import StepBatch
+from ref_server.engine.model_runner import MTP_GRAPHS
+from ref_server.model import SamplingParams, StepBatch
 from ref_server.model.speculative import MAX_DRAFT_TOKENS, SpeculativeStats, check_draft_tokens
+from ref_server.model.speculative_graphs import SpeculativeSteps
 
 PUBLISHED = dict(
     source="DeepSeek-V3 technical report (arXiv:2412.19437), section 5.4.3",
@@ -80,9 +87,9 @@ PREFILL_CHUNK = 16384  # tokens a prefill step of the step costs' cache takes at
 
 
 def context_cache(model, batch: int, prompt: int, device: torch.device):
-    """A cache holding `prompt` tokens of each of `batch` sequences, with room for
-    MAX_DRAFT_TOKENS + 1 more, and its block table `[batch, pages]`."""
-    pages = -(-(prompt + MAX_DRAFT_TOKENS + 1) // PAGE)
+    """A cache holding `prompt` tokens of each of `batch` sequences, with room for the most
+    rows a verify step and the drafts after it write, and its block table `[batch, pages]`."""
+    pages = -(-(prompt + 2 * MAX_DRAFT_TOKENS) // PAGE)
     cache = M.PagedKVCache(model.args, batch * pages, PAGE, torch.bfloat16, device)
     table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     per_step = max(1, PREFILL_CHUNK // prompt)
@@ -95,69 +102,86 @@ def context_cache(model, batch: int, prompt: int, device: torch.device):
     return cache, table
 
 
-def step_costs(model, cache, table, batch, prompt, draft_tokens, reps, gpu_times) -> list[dict]:
+def new_tokens(model, table, prompt: int, n: int) -> StepBatch:
+    """n random new tokens for each sequence of `table` after its `prompt` cached ones, on the
+    host as an engine's step prepares them."""
+    batch = len(table)
+    ids = torch.randint(2, model.args.vocab_size, (batch * n,))
+    return StepBatch(ids, [n] * batch, [prompt + n] * batch, table)
+
+
+def step_costs(model, cache, table, batch, prompt, draft_tokens, reps) -> list[dict]:
     """One row per k of draft_tokens: decode, verify and draft at `batch` sequences (the first
-    rows of `table`) of `prompt` cached tokens; seconds, and on CUDA GPU seconds."""
-    args, device = model.args, cache.device
+    rows of `table`) of `prompt` cached tokens, eagerly and on CUDA from graphs; milliseconds."""
+    device, table = cache.device, table[:batch]
     cuda = device.type == "cuda"
-    table = table[:batch]
 
-    def tokens(n: int) -> torch.Tensor:
-        return torch.randint(2, args.vocab_size, (n,), device=device)
+    def decode_step(step) -> float:
+        return ms(median_seconds(lambda: step(new_tokens(model, table, prompt, 1)), device, reps))
 
-    def decode_batch() -> StepBatch:
-        return StepBatch(tokens(batch), [1] * batch, [prompt + 1] * batch, table)
-
-    def verify(k: int) -> None:
-        new = k + 1
-        step = StepBatch(tokens(batch * new), [new] * batch, [prompt + new] * batch, table)
-        model.every_row_step(step, cache)
-
-    hidden = torch.randn(batch, args.hidden_size, device=device, dtype=model.norm.weight.dtype)
-
-    def draft(k: int) -> None:
-        ids, previous = tokens(batch), hidden
-        for i in range(k):
-            step = StepBatch(ids, [1] * batch, [prompt + 1 + i] * batch, table)
-            logits, previous = model.every_row_step(step, cache, previous)
-            ids = logits.argmax(-1)
-
-    def timed(fn) -> tuple[float, float | None]:
-        seconds = median_seconds(fn, device, reps)
-        if not (cuda and gpu_times):
-            return seconds, None
-        return seconds, profile_step(fn, device, "eager")["kernels"]["total_ms"] / 1e3
-
-    decode_s, decode_gpu_s = timed(lambda: model.forward_step(decode_batch(), cache))
-    graphs_s = replay_s = None
+    decode = dict(
+        decode_eager_ms=decode_step(lambda tokens: model.forward_step(tokens, cache)),
+        decode_graphs_ms=None,
+        decode_replay_ms=None,
+    )
     if cuda:
         graphs = M.DecodeGraphs(model, cache, batch_sizes=[batch], max_blocks=table.shape[1])
-        graphs_s = median_seconds(lambda: graphs(decode_batch()), device, reps)
-        replay_s = replay_seconds(graphs.graphs[batch].replay, reps)
+        decode["decode_graphs_ms"] = decode_step(graphs)
+        decode["decode_replay_ms"] = ms(replay_seconds(graphs.graphs[batch].replay, reps))
         del graphs
-        free_device_memory(model)  # the graph's pool
+        free_device_memory(model)  # the graphs' pool
+    plain = decode["decode_graphs_ms"] or decode["decode_eager_ms"]
     rows = []
     for k in draft_tokens:
-        verify_s, verify_gpu_s = timed(lambda k=k: verify(k))
-        draft_s, draft_gpu_s = timed(lambda k=k: draft(k))
-        row = dict(
-            batch=batch,
-            k=k,
-            decode_graphs_ms=ms(graphs_s),
-            decode_replay_ms=ms(replay_s),
-            decode_eager_ms=ms(decode_s),
-            decode_gpu_ms=ms(decode_gpu_s),
-            verify_ms=ms(verify_s),
-            verify_gpu_ms=ms(verify_gpu_s),
-            draft_ms=ms(draft_s),
-            draft_gpu_ms=ms(draft_gpu_s),
-            break_even_tokens=(verify_s + draft_s) / (graphs_s or decode_s),
-            break_even_tokens_gpu=None,
+        row = dict(batch=batch, k=k, **decode)
+        for path in ("eager", "graphs"):
+            row |= speculative_costs(model, cache, table, prompt, k, reps, path)
+            free_device_memory(model)  # the steps' graphs' pool
+        row["break_even_eager"] = ratio((row["verify_eager_ms"], row["draft_eager_ms"]), plain)
+        row["break_even_graphs"] = ratio((row["verify_graphs_ms"], row["draft_graphs_ms"]), plain)
+        row["break_even_replay"] = ratio(
+            (row["verify_replay_ms"], row["draft_replay_ms"]), row["decode_replay_ms"]
         )
-        if decode_gpu_s:
-            row["break_even_tokens_gpu"] = (verify_gpu_s + draft_gpu_s) / decode_gpu_s
         rows.append(row)
     return rows
+
+
+def speculative_costs(model, cache, table, prompt, k, reps, path: str) -> dict:
+    """Milliseconds of `SpeculativeSteps`' verify (k + 1 tokens a sequence) and draft (k tokens
+    a sequence, greedy, after a verify step that kept every draft) as the engine's runner calls
+    them, on `path`: "eager", or "graphs" replayed (with each replay's GPU time; None off
+    CUDA)."""
+    names = [f"verify_{path}_ms", f"draft_{path}_ms"]
+    graphs = path == "graphs"
+    if graphs:
+        names += ["verify_replay_ms", "draft_replay_ms"]
+        if cache.device.type != "cuda":
+            return dict.fromkeys(names)
+    batch, device = len(table), cache.device
+    steps = SpeculativeSteps(
+        model, cache, k, max_blocks=table.shape[1], batch_sizes=[batch], capture_graphs=graphs
+    )
+    dtype = model.embed_tokens.weight.dtype
+    hidden = torch.randn(batch * (k + 1), model.args.hidden_size, device=device, dtype=dtype)
+    params, counts = [SamplingParams()] * batch, [k] * batch
+
+    def verify() -> None:
+        steps.verify(new_tokens(model, table, prompt, k + 1))
+
+    def draft() -> None:
+        steps.draft(new_tokens(model, table, prompt, k + 1), hidden, params, counts)
+
+    seconds = [median_seconds(verify, device, reps), median_seconds(draft, device, reps)]
+    if graphs:
+        seconds += [
+            replay_seconds(steps.graphs[step, batch].replay, reps) for step in ("verify", "draft")
+        ]
+    return {name: ms(s) for name, s in zip(names, seconds, strict=True)}
+
+
+def ratio(parts: tuple, whole: float | None) -> float | None:
+    """sum(parts) / whole; None where any is."""
+    return None if whole is None or None in parts else sum(parts) / whole
 
 
 def ms(seconds: float | None) -> float | None:
@@ -190,12 +214,14 @@ def expected_accepted_length(rate: float, k: int) -> float:
     return sum(rate**j for j in range(k + 1))
 
 
-def curve_engine(model, batch: int, prompt: int, k: int, steps: int):
-    """An engine of k drafts a round (0: none) for `batch` requests of `prompt` tokens, and the
-    max_tokens its requests take: none ends within two untimed and `steps` timed steps."""
+def curve_engine(model, batch: int, prompt: int, k: int, steps: int, mtp_graphs: bool = False):
+    """An engine of k drafts a round (0: none) for `batch` requests of `prompt` tokens, with
+    REF_SERVER_MTP_GRAPHS set as mtp_graphs says, and the max_tokens its requests take: none
+    ends within two untimed and `steps` timed steps."""
     # room for every round's k drafts up to the last step's: max_tokens never cuts one short
     max_tokens = (steps + 3) * (k + 1)
-    engine = engine_for(model, batch, prompt + max_tokens, draft_tokens=k)
+    with mock.patch.dict(os.environ, {MTP_GRAPHS: "1" if mtp_graphs else "0"}):
+        engine = engine_for(model, batch, prompt + max_tokens, draft_tokens=k)
     # random weights' argmax may be the end token at any step: the batch must keep its size
     engine.eos_ids = frozenset()
     return engine, max_tokens
@@ -218,7 +244,8 @@ def timed_total(engine, steps: int) -> tuple[int, float]:
 
 def engine_curve(model, batch, prompt, draft_tokens, rates, steps) -> list[dict]:
     """The plain engine's decode tokens per second at `batch`, then for each K of draft_tokens
-    a row per forced acceptance rate (see the module's docstring)."""
+    a row per forced acceptance rate, its steps eager and on CUDA also from graphs (see the
+    module's docstring)."""
     plain, max_tokens = curve_engine(model, batch, prompt, 0, steps)
     refill(plain, batch, prompt, max_tokens)
     tokens, seconds = timed_total(plain, steps)
@@ -236,9 +263,11 @@ def engine_curve(model, batch, prompt, draft_tokens, rates, steps) -> list[dict]
             step_ms=seconds / steps * 1e3,
         )
     ]
-    for k in draft_tokens:
+    cuda = model.embed_tokens.weight.is_cuda
+    for k, mtp_graphs in itertools.product(draft_tokens, (False, True) if cuda else (False,)):
         free_device_memory(model)  # the last engine's cache and graphs, before this one's
-        engine, max_tokens = curve_engine(model, batch, prompt, k, steps)
+        engine, max_tokens = curve_engine(model, batch, prompt, k, steps, mtp_graphs)
+        path = "graphs" if engine.runner.speculative.captured else "eager"
         parts, stats = RunnerTimes(engine.runner), engine.speculative_stats
         for rate in rates:
             engine.forced_acceptance = rate
@@ -256,7 +285,7 @@ def engine_curve(model, batch, prompt, draft_tokens, rates, steps) -> list[dict]
                     batch=batch,
                     draft_tokens=k,
                     forced_acceptance=rate,
-                    decode_path="eager",
+                    decode_path=path,
                     tokens=tokens,
                     tok_s=tokens / seconds,
                     speedup=tokens / seconds / plain_tok_s,
@@ -279,18 +308,18 @@ def free_device_memory(model) -> None:
 
 
 def projection(rows: list[dict]) -> list[dict]:
-    """For each batch and K of the engine's rows: tok/s and speed-up over the plain engine at
-    each published acceptance rate, interpolated between the measured rates (none where the
-    measured rates do not span it)."""
+    """For each batch, K and path of the engine's rows: tok/s and speed-up over the plain
+    engine at each published acceptance rate, interpolated between the measured rates (none
+    where the measured rates do not span it)."""
     found = []
     plain = {row["batch"]: row["tok_s"] for row in rows if row["draft_tokens"] == 0}
-    for batch, k in dict.fromkeys(
-        (r["batch"], r["draft_tokens"]) for r in rows if r["draft_tokens"]
+    for batch, k, path in dict.fromkeys(
+        (r["batch"], r["draft_tokens"], r["decode_path"]) for r in rows if r["draft_tokens"]
     ):
         curve = sorted(
             (r["forced_acceptance"], r["tok_s"])
             for r in rows
-            if (r["batch"], r["draft_tokens"]) == (batch, k)
+            if (r["batch"], r["draft_tokens"], r["decode_path"]) == (batch, k, path)
         )
         rates, tok_s = zip(*curve, strict=True)
         for rate in PUBLISHED["acceptance"]:
@@ -300,6 +329,7 @@ def projection(rows: list[dict]) -> list[dict]:
                     dict(
                         batch=batch,
                         draft_tokens=k,
+                        decode_path=path,
                         acceptance=rate,
                         tok_s=projected,
                         speedup=projected / plain[batch],
@@ -314,40 +344,46 @@ def cell(value, form: str, width: int) -> str:
 
 def print_step_costs(rows: list[dict]) -> None:
     print(
-        "\nstep costs, ms (GPU: the eager step's kernels' sum); break-even: the tokens a round "
-        "must give a sequence for verify + draft to cost what decoding them does, of the eager "
-        "steps against the plain engine's decode (graphs where there are) and of the kernels' "
-        "sums\n"
-        "batch | k | decode: graphs |  eager |    GPU | verify, k + 1 tokens: eager |    GPU "
-        "| draft, k module passes: eager |    GPU | break-even: eager / plain | GPU / GPU"
+        "\nstep costs, ms: each step's wall time eager and from CUDA graphs (verify and draft "
+        "through SpeculativeSteps, as the engine runs them), and a replay's GPU time; "
+        "break-even: the tokens a round must give a sequence for verify + draft to cost what "
+        "decoding them does, each path against the plain engine's decode (graphs where there "
+        "are), and replays against the decode's replay\n"
+        "batch | k | decode: graphs | replay |  eager | verify, k + 1 tokens: eager | graphs "
+        "| replay | draft, k tokens: eager | graphs | replay "
+        "| break-even: eager / plain | graphs / plain | replay / replay"
     )
     for r in rows:
         print(
             f"{r['batch']:5d} | {r['k']} | {cell(r['decode_graphs_ms'], '.3f', 14)} | "
-            f"{r['decode_eager_ms']:6.2f} | {cell(r['decode_gpu_ms'], '.3f', 6)} | "
-            f"{r['verify_ms']:27.2f} | {cell(r['verify_gpu_ms'], '.3f', 6)} | "
-            f"{r['draft_ms']:29.2f} | {cell(r['draft_gpu_ms'], '.3f', 6)} | "
-            f"{r['break_even_tokens']:25.2f} | {cell(r['break_even_tokens_gpu'], '.2f', 9)}"
+            f"{cell(r['decode_replay_ms'], '.3f', 6)} | {r['decode_eager_ms']:6.2f} | "
+            f"{r['verify_eager_ms']:27.2f} | {cell(r['verify_graphs_ms'], '.3f', 6)} | "
+            f"{cell(r['verify_replay_ms'], '.3f', 6)} | {r['draft_eager_ms']:22.2f} | "
+            f"{cell(r['draft_graphs_ms'], '.3f', 6)} | {cell(r['draft_replay_ms'], '.3f', 6)} | "
+            f"{r['break_even_eager']:25.2f} | {cell(r['break_even_graphs'], '.2f', 14)} | "
+            f"{cell(r['break_even_replay'], '.2f', 15)}"
         )
 
 
 def print_engine(rows: list[dict]) -> None:
     print(
-        "\nengine decode (plain: its decode steps' path; K drafts: eager verify and draft "
-        "steps)\nbatch |             K | forced acceptance |    tok/s | x plain "
+        "\nengine decode (path: the plain engine's decode steps', a speculative engine's "
+        "verify and draft steps', from graphs with REF_SERVER_MTP_GRAPHS=1)\n"
+        "batch |     K |   path | forced acceptance |    tok/s | x plain "
         "| accepted length: measured | expected | ms a step | verify | draft |  rest"
     )
     for r in rows:
         if not r["draft_tokens"]:
-            plain = f"plain, {r['decode_path']}"
             print(
-                f"{r['batch']:5d} | {plain:>13} | {'-':>17} | {r['tok_s']:8.1f} | {1:7.2f} | "
+                f"{r['batch']:5d} | {'plain':>5} | {r['decode_path']:>6} | {'-':>17} | "
+                f"{r['tok_s']:8.1f} | {1:7.2f} | "
                 f"{'-':>25} | {'-':>8} | {r['step_ms']:9.2f} |"
             )
             continue
         rest = r["step_ms"] - r["verify_ms"] - r["draft_ms"]
         print(
-            f"{r['batch']:5d} | {r['draft_tokens']:13d} | {r['forced_acceptance']:17.2f} | "
+            f"{r['batch']:5d} | {r['draft_tokens']:5d} | {r['decode_path']:>6} | "
+            f"{r['forced_acceptance']:17.2f} | "
             f"{r['tok_s']:8.1f} | {r['speedup']:7.2f} | {r['accepted_length']:25.2f} | "
             f"{r['expected_accepted_length']:8.2f} | {r['step_ms']:9.2f} | "
             f"{r['verify_ms']:6.2f} | {r['draft_ms']:5.2f} | {rest:5.2f}"
@@ -360,14 +396,16 @@ def print_projection(rows: list[dict]) -> None:
         f"\nprojected: the curve read at DeepSeek-V3's published acceptance (forced on random "
         f"weights); published: {published}x TPS at 85-90 % with one draft ({PUBLISHED['source']}; "
         "their deployment, against a published figure)\n"
-        f"batch | K | acceptance |    tok/s | x plain (projected) | over the published {published}x"
+        "batch | K |   path | acceptance |    tok/s | x plain (projected) "
+        f"| over the published {published}x"
     )
     for r in rows:
         against = (
             r["speedup"] / published if r["draft_tokens"] == PUBLISHED["draft_tokens"] else None
         )
         print(
-            f"{r['batch']:5d} | {r['draft_tokens']} | {r['acceptance']:10.2f} | "
+            f"{r['batch']:5d} | {r['draft_tokens']} | {r['decode_path']:>6} | "
+            f"{r['acceptance']:10.2f} | "
             f"{r['tok_s']:8.1f} | {r['speedup']:19.2f} | {cell(against, '.2f', 27)}"
         )
 
@@ -404,12 +442,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", default="0,0.25,0.5,0.7,0.85,0.9,1", help="forced acceptance")
     parser.add_argument("--steps", type=int, default=10, help="timed engine steps a rate")
     parser.add_argument("--reps", type=int, default=5, help="timed calls of each step cost")
-    parser.add_argument(
-        "--gpu-times",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="each eager step's kernels' sum under torch.profiler (CUDA)",
-    )
     parser.add_argument("--json")
     options = parser.parse_args(argv)
     try:
@@ -448,10 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     cache, table = context_cache(model, max(batches), options.prompt, device)
     costs = []
     for batch in batches:
-        costs += step_costs(
-            model, cache, table, batch, options.prompt, draft_tokens, options.reps,
-            options.gpu_times,
-        )  # fmt: skip
+        costs += step_costs(model, cache, table, batch, options.prompt, draft_tokens, options.reps)
     print_step_costs(costs)
     print(f"step costs measured: {time.perf_counter() - started:.0f} s from the start")
     save(step_costs=costs)

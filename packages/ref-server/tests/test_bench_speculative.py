@@ -1,6 +1,6 @@
-"""benchmarks/bench_speculative.py on the CPU at the tiny preset: every table's rows, the
-accepted lengths the forced acceptance rates ask for, the projection read off the curve, and
-its refusals of bad options."""
+"""benchmarks/bench_speculative.py on the CPU at the tiny preset: every table's rows, its step
+costs timing the engine's speculative steps, the accepted lengths the forced acceptance rates
+ask for, the projection read off the curve, and its refusals of bad options."""
 
 from __future__ import annotations
 
@@ -25,9 +25,23 @@ def bench(monkeypatch):
     return module
 
 
-def test_a_cpu_run_gives_every_figure_and_the_accepted_lengths_asked_for(bench, tmp_path, capsys):
+def test_a_cpu_run_gives_every_figure_and_the_accepted_lengths_asked_for(
+    bench, tmp_path, capsys, monkeypatch
+):
     batch, steps, rates = 16, 16, (0.0, 0.5, 1.0)
     out = tmp_path / "speculative.json"
+    called = []  # the step costs' calls of the engine's speculative steps
+
+    class Recorded(bench.SpeculativeSteps):
+        def verify(self, batch, *args, **kwargs):
+            called.append(("verify", self.draft_tokens, batch.query_lens, self.captured))
+            return super().verify(batch, *args, **kwargs)
+
+        def draft(self, batch, hidden, params, counts):
+            called.append(("draft", self.draft_tokens, counts, self.captured))
+            return super().draft(batch, hidden, params, counts)
+
+    monkeypatch.setattr(bench, "SpeculativeSteps", Recorded)
     bench.main(
         ["--device", "cpu", "--preset", "tiny", "--prompt", "12", "--batches", "1,3",
          "--engine-batches", str(batch), "--draft-tokens", "1,3", "--rates", "1,0,0.5",
@@ -40,17 +54,27 @@ def test_a_cpu_run_gives_every_figure_and_the_accepted_lengths_asked_for(bench, 
 
     costs = found["step_costs"]
     assert [(r["batch"], r["k"]) for r in costs] == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    # each step two untimed calls and one timed, eagerly (no CUDA here): verify over k + 1
+    # tokens a sequence, then k drafts for each
+    assert called == [
+        call
+        for b in (1, 3)
+        for k in (1, 3)
+        for call in [("verify", k, [k + 1] * b, False)] * 3 + [("draft", k, [k] * b, False)] * 3
+    ]
     for r in costs:
-        assert r["decode_graphs_ms"] is None and r["verify_gpu_ms"] is None  # no CUDA here
-        assert min(r["decode_eager_ms"], r["verify_ms"], r["draft_ms"]) > 0
-        total = r["verify_ms"] + r["draft_ms"]
-        assert r["break_even_tokens"] == pytest.approx(total / r["decode_eager_ms"])
+        off_cuda = ("decode_graphs_ms", "decode_replay_ms", "verify_graphs_ms", "draft_replay_ms")
+        assert all(r[name] is None for name in off_cuda)
+        assert r["break_even_graphs"] is None and r["break_even_replay"] is None
+        assert min(r["decode_eager_ms"], r["verify_eager_ms"], r["draft_eager_ms"]) > 0
+        total = r["verify_eager_ms"] + r["draft_eager_ms"]
+        assert r["break_even_eager"] == pytest.approx(total / r["decode_eager_ms"])
 
     plain, *speculative = found["engine"]
     assert (plain["draft_tokens"], plain["decode_path"]) == (0, "eager")
     assert plain["tokens"] == batch * steps
-    assert [(r["draft_tokens"], r["forced_acceptance"]) for r in speculative] == [
-        (k, rate) for k in (1, 3) for rate in rates
+    assert [(r["draft_tokens"], r["forced_acceptance"], r["decode_path"]) for r in speculative] == [
+        (k, rate, "eager") for k in (1, 3) for rate in rates
     ]
     rounds = batch * steps
     for r in speculative:
@@ -72,8 +96,8 @@ def test_a_cpu_run_gives_every_figure_and_the_accepted_lengths_asked_for(bench, 
 
     tok_s = {(r["draft_tokens"], r["forced_acceptance"]): r["tok_s"] for r in speculative}
     projected = found["projection"]
-    assert [(r["draft_tokens"], r["acceptance"]) for r in projected] == [
-        (1, 0.85), (1, 0.9), (3, 0.85), (3, 0.9)
+    assert [(r["draft_tokens"], r["acceptance"], r["decode_path"]) for r in projected] == [
+        (1, 0.85, "eager"), (1, 0.9, "eager"), (3, 0.85, "eager"), (3, 0.9, "eager")
     ]  # fmt: skip
     for r in projected:
         k, share = r["draft_tokens"], (r["acceptance"] - 0.5) / 0.5  # of the way from 0.5 to 1
