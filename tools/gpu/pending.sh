@@ -23,16 +23,20 @@ sources=$(printf "$root/packages/%s/src:" mla-kernels ep-comm overlap-sched ref-
 # What each stage checks, and why it is pending.
 declare -A PENDING=(
   [mla-tests]="mla-kernels GPU tests (test_cuda.py): the kernel on every page size, dtype, FP8 cache, both narrow FP8 kernels"
-  [mla-sparse]="the sparse MLA Triton kernels' first GPU run: test_sparse_cuda.py (DeepSeek-V3.2 shapes, prefill, graphs, offsets past 2 GB), then bench_sparse.py (decode and prefill against the torch reference; --peer once FlashMLA's sparse kernels are built into the peer)"
+  [mla-sparse]="test_sparse_cuda.py and bench_sparse.py (--peer with FLASHMLA_SPARSE_PEER: tools/gpu/build_flashmla_sparse_peer.py, 37 s): rerun after any change to the sparse kernels; the Triton kernels ran at 0.27-0.51x FlashMLA on an H100 (1e328a7)"
   [mla-peer]="bench_decode.py --peer: every table of the 0.2 goals (uniform, mixed lengths, s_q 2-4, page sizes, FP8) under both timings, FlashMLA built beside"
   [ep-tests]="ep-comm's GPU tests (CUDA IPC rings, NVSHMEM low-latency kernels): the FP8 cast and the low-latency contract moved modules (ep_comm.fp8, ep_comm.low_latency_backend); outputs are allocated before the ranks agree on a call (allocation_fails_between_kernels expects every rank to raise at the dispatch now); host collectives after kernels wait 2 x timeout + 5 s; EP_COMM_OVERFLOW_RETURNS_ROWS (an overflowed rank's combine returns NaN rows, combine.cu) and its test"
   [ep-nvshmem-watchdog]="ep-comm's low-latency GPU tests with EP_COMM_NVSHMEM_WATCHDOG=1: NVSHMEM init, malloc and free on a watchdog thread (the thread sets the CUDA device); when they pass, turn the watchdog on by default"
   [ref-kernels]="ref-server's GPU tests of its kernels, expert_swiglu's fused epilogue (REF_SERVER_FUSED_SWIGLU) among them, then bench_expert_gemm.py's SwiGLU table"
-  [ref-model]="ref-server's GPU tests of the model, engine and deployment: overlapped engine steps, the router's limits and defaults, sampling below 1e-5 as greedy; DeepSeek-V3.2's decode from CUDA graphs (test_model_gpu.py) and V3.2 deployments moving index keys through CUDA IPC and NIXL (test_serving_gpu.py)"
+  [ref-model]="ref-server's GPU tests of the model and engine (test_model_gpu.py passed 8 of 8 on an H100 at 0ec8ced, V3.2-Lite's decode graphs among them, with the torch references then): overlapped engine steps, sampling below 1e-5 as greedy, two-batch steps, prefill graphs; MTP's verify and draft steps from CUDA graphs against the eager ones, K = 1-3, V2-Lite and V3.2-Lite shapes (test_speculative_gpu.py; REF_SERVER_MTP_GRAPHS can default to 1 once it passes)"
+  [ref-serving]="ref-server's GPU tests of the deployment (test_serving_gpu.py; its first test ran out of memory on an 80 GB H100, now the one-process reference runs before the instances start): the router's limits and defaults; V3.2 deployments moving index keys through CUDA IPC and NIXL; the MTP module's pages and the prompt's last hidden state through CUDA IPC, a decode engine drafting from it; instances of two ranks drafting with two-batch overlap through ep_comm's cuda backend; then prefill attention, expert balancing, expert-parallel recovery, repro's run"
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
-  [indexer]="ref-server's V3.2 indexer kernels (REF_SERVER_INDEXER_TRITON): test_indexer_kernels.py's gpu tests, then bench_indexer.py (decode at batch 64-128, 4K-128K, s_q 1-2; prefill) on the current kernel"
-  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's gpu tests, REF_SERVER_ELASTIC_GPU's path): four ranks sharing the GPU lose one mid-decode (SIGKILL) or mid-prefill (SIGSTOP) and go on over new ep_comm buffers among the others (CUDA IPC, and NVSHMEM initialized again in the same processes, which may not work); then ref-model's expert-parallel tests, whose engine loop and model changed with it (test_expert_parallel_recovery_gpu.py, test_expert_balancing_gpu.py)"
+  [indexer]="ref-server's V3.2 indexer kernels (on by default on CUDA now): test_indexer_kernels.py's gpu tests (the graph test now checks the replay bit for bit against the eager kernel; it failed on an H100 against float64 at 1e-4), then bench_indexer.py on the current kernel (its last run was 25edc27's)"
+  [dsa-step]="bench_dsa.py with top_positions as torch.topk over int64 keys (the stable sort's selection; the sort took 1.86 ms of DSA's 3.32 ms at b128 x 128K on an H100): one V3.2 decode step's attention a layer, dense MLA against DSA over the FP8 cache, batch 32-128, 4K-128K"
+  [repro-v32]="ref-server repro --slice v3,v3.2 at decode KV 4,989, 32,768 and 131,072 with MTP at 0.85: rerun for top_positions' torch.topk selection and the sparse kernels' default; first run 0ec8ced on an H100"
+  [mtp-bench]="bench_speculative.py with verify and draft through SpeculativeSteps (the decode kernel at s_q = K + 1), eager and from CUDA graphs, against a decode step at batches 1-256, each replay's GPU time; the engine's decode tok/s against forced acceptance for K = 1-3, eager and with REF_SERVER_MTP_GRAPHS=1, and the projected speed-up at 85-90 % (run after ref-model: its graph rows need test_speculative_gpu.py to pass)"
+  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's gpu tests, REF_SERVER_ELASTIC_GPU's path): four ranks sharing the GPU lose one mid-decode (SIGKILL) or mid-prefill (SIGSTOP) and go on over new ep_comm buffers among the others (CUDA IPC, and NVSHMEM started again in the same processes, which may not work); the engine loop and model they changed are in ref-serving's expert-parallel tests too"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -54,7 +58,12 @@ ref-kernels() {
 
 ref-model() {
   local tests=packages/ref-server/tests
-  python3 -m pytest -q -m gpu $tests/test_{model,serving,two_batch,prefill_graphs}_gpu.py \
+  python3 -m pytest -q -m gpu $tests/test_{model,two_batch,prefill_graphs,speculative}_gpu.py
+}
+
+ref-serving() {
+  local tests=packages/ref-server/tests
+  python3 -m pytest -q -m gpu $tests/test_serving_gpu.py \
     $tests/test_{prefill_attention,expert_balancing,expert_parallel_recovery}_gpu.py \
     $tests/test_repro_run.py
 }
@@ -69,16 +78,21 @@ ref-model-ab() {
 }
 
 elastic() {
-  local tests=packages/ref-server/tests
-  python3 -m pytest -q -m gpu $tests/test_elastic.py
-  local status=$?
-  python3 -m pytest -q -m gpu $tests/test_expert_{parallel_recovery,balancing}_gpu.py || return 1
-  return $status
+  python3 -m pytest -q -m gpu packages/ref-server/tests/test_elastic.py
+}
+
+mtp-bench() {
+  python3 packages/ref-server/benchmarks/bench_speculative.py --json "$logs/mtp-bench.json"
 }
 
 indexer() {
   python3 -m pytest -q -m gpu packages/ref-server/tests/test_indexer_kernels.py || return 1
   python3 packages/ref-server/benchmarks/bench_indexer.py --json "$logs/indexer.json"
+}
+
+dsa-step() {
+  REF_SERVER_INDEXER_TRITON=1 MLA_KERNELS_SPARSE_BACKEND=triton \
+    python3 packages/ref-server/benchmarks/bench_dsa.py --json "$logs/dsa-step.json"
 }
 
 mla-tests() {
@@ -92,6 +106,13 @@ mla-sparse() {
   # into a folder on PYTHONPATH, with FLASHMLA_SPARSE_PEER=flashmla_sparse_peer
   python3 packages/mla-kernels/benchmarks/bench_sparse.py ${FLASHMLA_SPARSE_PEER:+--peer} \
     --json "$logs/mla-sparse.json"
+}
+
+repro-v32() {
+  MLA_KERNELS_SPARSE_BACKEND=auto REF_SERVER_INDEXER_TRITON=1 python3 -c \
+    'import sys; from ref_server.cli import main; sys.exit(main(sys.argv[1:]))' \
+    repro --slice v3,v3.2 --kv-length 4989,32768,131072 --mtp-acceptance --zipf 0 \
+    --json "$logs/repro-v32.json"
 }
 
 # bench_decode.py --peer, its JSON named $1, with the arguments that follow.

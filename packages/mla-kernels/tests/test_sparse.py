@@ -244,6 +244,7 @@ def test_compiles_without_graph_breaks(generator):
 
 @pytest.mark.parametrize("installed", [True, False])
 def test_sparse_backend_choice(monkeypatch, installed):
+    monkeypatch.delenv("MLA_KERNELS_SPARSE_BACKEND")  # the default
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
@@ -252,10 +253,9 @@ def test_sparse_backend_choice(monkeypatch, installed):
     )
     assert mla_kernels.sparse_backend("cpu") == "reference"
     assert mla_kernels.sparse_backend("meta") == "reference"
-    assert mla_kernels.sparse_backend("cuda") == "reference"  # the default, for now
-    monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "auto")
-    assert mla_kernels.sparse_backend("cpu") == "reference"
     assert mla_kernels.sparse_backend("cuda") == ("triton" if installed else "reference")
+    monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "reference")
+    assert mla_kernels.sparse_backend("cuda") == "reference"
     monkeypatch.setenv("MLA_KERNELS_SPARSE_BACKEND", "triton")
     if installed:
         assert mla_kernels.sparse_backend("cpu") == "triton"

@@ -76,6 +76,13 @@ def decode_case(batch: int, context: int, s_q: int, generator):
     return q, weights, k_cache, k_scale, block_table, seqlens
 
 
+def decode_work(batch: int, context: int, s_q: int) -> tuple[int, int]:
+    """The paged logits' FLOPs and bytes (the module's docstring) over `decode_case`'s."""
+    seen = batch * sum(context - s_q + 1 + i for i in range(s_q))
+    nbytes = batch * (context * KEY_BYTES + s_q * HEADS * (DIM + 4) + 4 * s_q * context)
+    return 2 * HEADS * DIM * seen, nbytes
+
+
 def prefill_case(lengths: list[int], generator):
     """The ragged operator's arguments: the sequences packed, each query its keys up to itself."""
     tokens = sum(lengths)
@@ -144,9 +151,7 @@ def main() -> None:
                 name = f"decode b{batch} ctx{context} s_q{s_q}"
                 logits = triton_index_logits_paged(*args)
                 check(logits, _reference_paged(*args), name)
-                seen = batch * sum(context - s_q + 1 + i for i in range(s_q))
-                flops = 2 * HEADS * DIM * seen
-                nbytes = batch * (context * KEY_BYTES + s_q * HEADS * (DIM + 4) + 4 * s_q * context)
+                flops, nbytes = decode_work(batch, context, s_q)
                 positions = index_topk(logits, TOPK)
                 calls = {
                     "triton": lambda args=args: triton_index_logits_paged(*args),

@@ -245,31 +245,48 @@ def print_profile(step: str, batch: int, found: dict, top: int = 20) -> None:
             )
 
 
-def engine_decode_tok_s(model, batch: int, prompt: int, steps: int, overlap_steps: str) -> float:
-    """Tokens per second of an `Engine`'s decode steps (see the module's docstring)."""
+def engine_for(model, batch: int, longest: int, **engine_options) -> Engine:
+    """An `Engine` (engine_options: its keywords) with pages for `batch` sequences of `longest`
+    tokens, without prefill graphs."""
     page = 64
-    longest = prompt + steps + 4
     config = SchedulerConfig(
         num_blocks=batch * -(-longest // page),
         block_size=page,
         max_num_seqs=batch,
         max_model_len=longest,
     )
-    engine = Engine(model, config, prefill_graph_tokens=0, overlap_steps=overlap_steps)
-    vocab = model.args.vocab_size
-    for _ in range(batch):
-        engine.add(
-            torch.randint(2, vocab, (prompt,)).tolist(), SamplingParams(max_tokens=steps + 4)
-        )
+    return Engine(model, config, prefill_graph_tokens=0, **engine_options)
+
+
+def fill(engine: Engine, batch: int, prompt: int, max_tokens: int) -> None:
+    """`batch` requests of `prompt` random tokens, each with room for max_tokens and a seed of
+    its own, stepped until every one decodes."""
+    vocab = engine.model.args.vocab_size
+    for seed in range(batch):
+        params = SamplingParams(max_tokens=max_tokens, seed=seed)
+        engine.add(torch.randint(2, vocab, (prompt,)).tolist(), params)
     scheduler = engine.scheduler
     while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):
         engine.step()
-    rates = []
-    for _ in range(2 + steps):  # two untimed, as median_seconds
+
+
+def step_times(engine: Engine, steps: int) -> list[tuple[int, float]]:
+    """The tokens and seconds of each of `steps` engine steps."""
+    timed = []
+    for _ in range(steps):
         start = time.perf_counter()
-        tokens = len(engine.step())  # fewer than batch if a sequence drew its end token
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates[2:])
+        tokens = sum(seq.num_new for seq in engine.step())
+        timed.append((tokens, time.perf_counter() - start))
+    return timed
+
+
+def engine_decode_tok_s(model, batch: int, prompt: int, steps: int, overlap_steps: str) -> float:
+    """Tokens per second of an `Engine`'s decode steps (see the module's docstring)."""
+    engine = engine_for(model, batch, prompt + steps + 4, overlap_steps=overlap_steps)
+    fill(engine, batch, prompt, steps + 4)
+    # two untimed, as median_seconds; fewer than batch tokens if a sequence drew its end token
+    timed = step_times(engine, 2 + steps)[2:]
+    return statistics.median(tokens / seconds for tokens, seconds in timed)
 
 
 def trace_path(trace: str | None, step: str) -> str | None:

@@ -8,6 +8,7 @@ instances started from `tiny_config`."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -184,16 +185,84 @@ def generate_together(client: Client, requests: list[dict], timeout: float = 60)
 
 
 FAULTS = Path(__file__).with_name("faults")  # faults and hooks for processes the tests start
+# Prompts (and max_tokens) whose greedy continuations a speculative deployment drafts right by
+# the oracle (but at every fifth position): accepted runs of up to 4 tokens. Their positions do
+# not overlap.
+DRAFTED = {(5, 6, 7): 40, tuple(range(100, 230)): 30}
+
+
+def draft_oracle():
+    """`faults/sitecustomize.py`'s `draft_oracle`."""
+    spec = importlib.util.spec_from_file_location("faults", FAULTS / "sitecustomize.py")
+    faults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(faults)
+    return faults.draft_oracle
 
 
 @pytest.fixture
 def oracle():
     """`faults/sitecustomize.py`'s `draft_oracle`: speculative decoding's tests monkeypatch
     `speculative.propose` with it."""
-    spec = importlib.util.spec_from_file_location("faults", FAULTS / "sitecustomize.py")
-    faults = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(faults)
-    return faults.draft_oracle
+    return draft_oracle()
+
+
+def oracle_drafts(reference) -> dict[int, int]:
+    """The token the oracle drafts at each position: the reference's greedy continuations of
+    DRAFTED's prompts."""
+    drafts = {}
+    for prompt, max_tokens in DRAFTED.items():
+        want = reference.generate([list(prompt)], M.SamplingParams(max_tokens=max_tokens))[0]
+        drafts |= {len(prompt) + i: t for i, t in enumerate(want)}
+    return drafts
+
+
+def drafting_by_oracle(config: ServeConfig, reference, folder: Path) -> Deployment:
+    """`config`'s deployment with `--speculative mtp`, drafting by the oracle (the reference's
+    tokens, `oracle_drafts`) instead of the MTP module, whose random weights draft almost
+    nothing right."""
+    path = folder / "drafts.json"
+    path.write_text(json.dumps(oracle_drafts(reference)))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join([str(FAULTS), os.environ.get("PYTHONPATH", "")]))
+        env.setenv("REF_SERVER_TEST_DRAFTS", str(path))
+        return Deployment(config.replace(speculative="mtp"), startup_timeout=120)
+
+
+def drafts_as_one_engine(running: Deployment, reference) -> None:
+    """DRAFTED's prompts through a deployment `drafting_by_oracle`, one at a time: the
+    reference's greedy tokens, and the decode instance's drafting stats equal one engine's
+    (prefill and decode in one) drafting by the same oracle. So each request's first decode
+    step verified drafts, made from the prompt's last hidden state the prefill instance
+    handed over; without it, the first step would verify none and every round after would
+    start a token later."""
+    import ref_server.model.speculative as S
+    from ref_server.engine import Engine, SchedulerConfig
+
+    config = running.config
+    args = dataclasses.replace(reference.args, num_nextn_predict_layers=1)
+    engine = Engine(
+        M.from_args(args, seed=config.seed),
+        SchedulerConfig(num_blocks=96, block_size=config.block_size, max_model_len=512),
+        draft_tokens=config.draft_tokens,
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(S, "propose", draft_oracle()(oracle_drafts(reference), wrong_every=5))
+        with Client(running.address) as client:
+            for prompt, max_tokens in DRAFTED.items():
+                params = M.SamplingParams(max_tokens=max_tokens)
+                want = reference.generate([list(prompt)], params)[0]
+                assert engine.generate([list(prompt)], params)[0] == want
+                got = client.generate(list(prompt), temperature=0, max_tokens=max_tokens)
+                assert got.token_ids == want
+            stats = engine.speculative_stats
+
+            def decode_load():  # as the router last read it, once it counts every request
+                load = next(w.load for w in client.server_info().workers if w.role == "decode")
+                return load if load.accepted_length == stats.accepted_length else None
+
+            load = wait_until(decode_load, 3, f"the decode instance's stats to be {stats}")
+    assert load.draft_acceptance_rate == stats.acceptance_rate
+    assert 0.3 < stats.acceptance_rate < 1 and stats.accepted_length > 1.3
 
 
 OVERLAP_STEPS_FORCED = os.environ.get("REF_SERVER_TEST_OVERLAP_STEPS") == "on"
@@ -269,8 +338,9 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
     expert-parallel over gloo. Requests sent one at a time all land on rank 0 of each instance
     (the balancers' ties), so rank 1 serves its experts through idle steps; sent together they
     spread over both ranks. Every completion is the reference's greedy tokens within the bf16
-    rounding of the exchange. With batch_invariant (CPU float32, where a token's result does
-    not depend on its batch), a prompt gets the same tokens alone or among others."""
+    rounding of the exchange (with --speculative mtp, both decode ranks verified drafts). With
+    batch_invariant (CPU float32, where a token's result does not depend on its batch), a
+    prompt gets the same tokens alone or among others."""
     running = Deployment(config, startup_timeout=300)
     try:
         client = Client(running.address)
@@ -292,6 +362,13 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
             assert together == alone * 3
         for i, completion in enumerate(together):
             assert near_greedy(reference, prompts[i % len(prompts)], list(completion))
+        if config.speculative == "mtp":
+
+            def drafted() -> bool:  # as the router last read the loads
+                workers = client.server_info().workers
+                return all(w.load.accepted_length >= 1 for w in workers if w.role == "decode")
+
+            wait_until(drafted, 3, "drafts verified on both decode ranks")
         client.close()
     finally:
         running.stop()
@@ -301,6 +378,9 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
 def serving():
     return SimpleNamespace(
         instances_of_two_ranks=instances_of_two_ranks,
+        drafted=DRAFTED,
+        drafting_by_oracle=drafting_by_oracle,
+        drafts_as_one_engine=drafts_as_one_engine,
         near_greedy=near_greedy,
         generate_together=generate_together,
         config=tiny_config,

@@ -4,6 +4,8 @@ the low-latency mode's limit go through it (and through CUDA graphs on the GPU).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -698,3 +700,41 @@ def survivors_take_the_lost_ranks_experts(
     ids = torch.randint(2, 300, (2, 9 + rank), generator=g)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), one(ids), rtol=3e-2, atol=3e-2)
+
+
+def speculative_engines_match_plain_ones(rank: int, world: int, group) -> None:
+    """Engines of an expert-parallel model with its MTP module (hidden size 128, so decode
+    steps, and verify steps without drafts, exchange in the low-latency mode) drafting by an
+    oracle (runs of drafts accepted), two-batch off and on, and by the random module (drafts
+    rejected) with two batches: the greedy tokens of plain engines over the ranks. Rank 0 has
+    fewer prompts: it runs idle steps, its experts' share of its peer's verify steps and
+    module steps."""
+    import importlib.util
+    from pathlib import Path
+
+    import ref_server.model.speculative as S
+    from overlap_sched.gating import Thresholds
+
+    faults = Path(__file__).with_name("faults") / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("faults", faults)
+    oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oracle)
+
+    args = dataclasses.replace(M.PRESETS["tiny"], hidden_size=128, num_nextn_predict_layers=1)
+    ep = M.from_args(args, seed=5, group=group)
+    config = SchedulerConfig(num_blocks=48, block_size=16, max_num_seqs=6, max_model_len=256)
+    prompts = [list(range(3 + rank, 3 + rank + n)) for n in (5, 17, 40)[: 1 + 2 * rank]]
+    params = SamplingParams(max_tokens=12)
+    want = [s.completion for s in in_step(Engine(ep, config), group, prompts, params)]
+    assert ep.expert_parallel.low_latency
+    drafts = {len(p) + i: t for p, w in zip(prompts, want, strict=True) for i, t in enumerate(w)}
+    module, by_oracle = S.propose, oracle.draft_oracle(drafts, wrong_every=5)
+    for two_batch, propose in (("off", by_oracle), ("on", by_oracle), ("on", module)):
+        S.propose = propose
+        engine = Engine(
+            ep, config, two_batch=two_batch, thresholds=Thresholds(2, 2), draft_tokens=3
+        )
+        got = [s.completion for s in in_step(engine, group, prompts, params)]
+        assert got == want, (two_batch, propose)
+        stats = engine.speculative_stats
+        assert stats.drafted > 0 and (propose is module or stats.accepted_length > 1.3)

@@ -1,10 +1,13 @@
 """KvPuller's gRPC stream against a KvTransfer server of this test's own (real gRPC on loopback),
-which sends pages as a prefill instance does, or damages one of them; for V3's tiny model and
-V3.2's, whose pages carry the indexer's keys and scales beside the latent rows."""
+which sends pages as a prefill instance does, or damages one of them; for V3's tiny model,
+V3.2's, whose pages carry the indexer's keys and scales beside the latent rows, and V3's with
+its MTP module, whose pages carry the module's rows and a prompt's last hidden state. Pages
+that do not fit the decode instance's cache are refused by every method."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -12,13 +15,26 @@ import torch
 
 import ref_server.model as M
 from ref_server.engine import Engine, SchedulerConfig
-from ref_server.services.kv_transfer import GRPC, STREAM_WRITE_PAGES, KvPuller, TransferError
+from ref_server.services.kv_transfer import (
+    GRPC,
+    STREAM_WRITE_PAGES,
+    KvPuller,
+    TransferError,
+    nixl_targets,
+)
 from ref_server.services.messages import page_message
+from ref_server.services.nixl_transfer import cache_pages
 from ref_server.v1 import serving_pb2 as pb
 from ref_server.v1 import serving_pb2_grpc as rpc
 
 PAGES = 2 * STREAM_WRITE_PAGES + 1  # two whole batches and one page
-PRESETS = ["tiny", "v3.2-tiny"]
+PRESETS = ["tiny", "v3.2-tiny", "tiny+mtp"]
+
+
+def args_of(preset: str) -> M.ModelArgs:
+    """A preset's args; "+mtp": with the MTP module."""
+    args = M.PRESETS[preset.removesuffix("+mtp")]
+    return dataclasses.replace(args, num_nextn_predict_layers=int(preset.endswith("+mtp")))
 
 
 class Pages(rpc.KvTransferServicer):
@@ -27,8 +43,7 @@ class Pages(rpc.KvTransferServicer):
     default)."""
 
     def __init__(self, preset: str, damaged: int | None = None, sent: int = PAGES) -> None:
-        self.preset = preset
-        size = 16 * M.cache_bytes_per_token(M.PRESETS[preset])
+        size = M.cache_page_bytes(args_of(preset), 16)
         self.pages = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(PAGES)]
         self.damaged, self.sent = damaged, sent
         self.released = 0
@@ -45,13 +60,11 @@ class Pages(rpc.KvTransferServicer):
         return pb.ReleaseResponse()
 
 
-def pull(server: Pages) -> tuple[Engine, int | Exception]:
-    """The server's pages pulled into blocks 20.. of a fresh engine's cache: (engine, the
-    method or the error)."""
-    engine = Engine(
-        M.from_preset(server.preset),
-        SchedulerConfig(num_blocks=64, block_size=16, max_model_len=512),
-    )
+def pull(server: Pages, preset: str) -> tuple[Engine, int | Exception]:
+    """The server's pages pulled into blocks 20.. of a fresh engine's cache of the preset:
+    (engine, the method or the error)."""
+    model = M.from_args(args_of(preset))
+    engine = Engine(model, SchedulerConfig(num_blocks=64, block_size=16, max_model_len=512))
 
     async def run():
         listener = grpc.aio.server()
@@ -74,17 +87,23 @@ def pull(server: Pages) -> tuple[Engine, int | Exception]:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_streamed_pages_land_in_their_blocks_in_batches(preset):
     server = Pages(preset)
-    engine, method = pull(server)
+    engine, method = pull(server, preset)
     assert method == GRPC and server.released == 1
     for index, page in enumerate(server.pages):
         assert torch.equal(engine.runner.read_page(20 + index), page), index
-    empty = M.PagedKVCache(M.PRESETS[preset], 1, 16).read_page(0)
+    empty = M.PagedKVCache(args_of(preset), 1, 16).read_page(0)
     assert torch.equal(engine.runner.read_page(20 + PAGES), empty)
     cache, block, page = engine.runner.cache, 20 + PAGES - 1, server.pages[-1]
     assert torch.equal(cache.layers[0][block].flatten().view(torch.uint8), page[: 16 * 1152])
-    if M.PRESETS[preset].is_sparse:  # then every layer's index keys, then their scales
+    if args_of(preset).is_sparse:  # then every layer's index keys, then their scales
         scales = cache.index_keys[-1].scales[block]
         assert torch.equal(scales.view(torch.uint8), page[-16 * 4 :])
+    if preset.endswith("+mtp"):  # the module's rows after the model's, then the hidden state
+        rows = 16 * 1152
+        assert torch.equal(
+            cache.layers[-1][block].flatten().view(torch.uint8), page[-rows - 256 : -256]
+        )
+        assert torch.equal(cache.prompt_hidden[block].view(torch.uint8), page[-256:])
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -94,8 +113,8 @@ def test_a_damaged_page_fails_the_pull_after_every_write_ended(damaged, preset):
     TransferError naming it, the lease is released, and when it returns the pages before it in
     its batch are written and none after it: no write is still running."""
     server = Pages(preset, damaged)
-    empty = M.PagedKVCache(M.PRESETS[preset], 1, 16).read_page(0)
-    engine, error = pull(server)
+    empty = M.PagedKVCache(args_of(preset), 1, 16).read_page(0)
+    engine, error = pull(server, preset)
     assert isinstance(error, TransferError) and f"page {damaged} fails its checksum" in str(error)
     assert server.released == 1
     first_of_batch = damaged - damaged % STREAM_WRITE_PAGES
@@ -112,7 +131,7 @@ def test_a_stream_that_ends_short_fails_after_the_writes_in_flight_ended(preset)
     """The stream ends one page early, while the batch before is being written: the pull
     fails naming the count, and when it returns that batch is whole in the cache."""
     server = Pages(preset, sent=PAGES - 1)
-    engine, error = pull(server)
+    engine, error = pull(server, preset)
     assert isinstance(error, TransferError)
     assert f"{PAGES - 1} pages came, {PAGES} were prefilled" in str(error)
     assert server.released == 1
@@ -128,3 +147,36 @@ def test_a_page_of_another_size_is_refused_before_any_write():
     with pytest.raises(ValueError, match=rf"a page is \[{cache.page_bytes}\] uint8, got \(1152,\)"):
         cache.write_page(0, page[:1152])
     assert not cache.layers[0][0].any()
+
+
+@pytest.mark.parametrize(("sent", "here"), [("tiny", "tiny+mtp"), ("tiny+mtp", "tiny")])
+def test_pages_that_do_not_fit_are_refused_by_every_method_saying_what_a_page_holds(sent, here):
+    """A prefill instance without the MTP module hands a decode instance with it pages without
+    the prompt's last hidden state (and the module's rows), or the other way round: the
+    stream, a CUDA IPC copy and a NIXL read each refuse them before writing anything, saying
+    what a page holds here."""
+    cache = M.PagedKVCache(args_of(here), 64, 16)
+    holds = "this instance's " + cache.page_contents
+    if here.endswith("+mtp"):
+        assert holds.endswith(
+            "4 layers' latent rows (the MTP module's last), the 64 float32 values of a "
+            "prompt's last hidden state, which the MTP module's first draft reads"
+        )
+    server = Pages(sent)
+    engine, error = pull(server, here)
+    assert isinstance(error, TransferError) and holds in str(error)
+    assert f"page 0 holds {server.pages[0].numel()} bytes, not {holds}" in str(error)
+    assert server.released == 1
+    assert not any(t.any() for t in engine.runner.cache.page_tensors)
+
+    theirs = M.PagedKVCache(args_of(sent), 8, 16)
+    puller = KvPuller(engine.runner, "stream-test", "cuda_ipc")
+    with pytest.raises(ValueError, match="the prefill instance's pages hold") as refused:
+        puller._copy_blocks(theirs.page_tensors, [1], [20])
+    assert holds in str(refused.value)
+    located = pb.KvBlocks(blocks=[3, 1], nixl_pages=pb.NixlPages(kind="DRAM"))
+    located.nixl_pages.rows = cache_pages(theirs, [3, 1]).rows
+    with pytest.raises(ValueError, match="the prefill instance's pages hold") as refused:
+        nixl_targets(engine.runner.cache, located, [(1, 20)], 2)
+    assert holds in str(refused.value)
+    assert not any(t.any() for t in engine.runner.cache.page_tensors)

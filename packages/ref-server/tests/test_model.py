@@ -242,6 +242,21 @@ def test_prefill_flops_of_sparse_attention_count_the_picked_tokens_and_the_index
         assert args.prefill_flops(new, cached) - args.matmul_flops(new) == want
 
 
+def test_attention_flops_of_absorbed_decode_are_flashmlas_count():
+    """A decode token attending over the latent cache (absorbed: 576-wide scores, 512-wide
+    values a head) costs what FlashMLA's benchmark counts, 2 h_q seqlen (576 + 512) a layer; on
+    decompressed heads 2 h_q seqlen (192 + 128); V3.2 attends absorbed over its top 2,048 either
+    way and its indexer scores the whole context (64 heads of 128)."""
+    v3, v32 = M.PRESETS["v3"], M.PRESETS["v3.2"]
+    for seqlen in (1, 4_989, 131_072):
+        absorbed = 61 * 2 * 128 * seqlen * (576 + 512)
+        assert v3.attention_flops(1, seqlen - 1, absorbed=True) == absorbed
+        assert v3.attention_flops(1, seqlen - 1) == 61 * 2 * 128 * seqlen * (192 + 128)
+        sparse = 61 * 2 * (128 * min(seqlen, 2048) * (576 + 512) + 64 * 128 * seqlen)
+        assert v32.attention_flops(1, seqlen - 1) == sparse
+        assert v32.attention_flops(1, seqlen - 1, absorbed=True) == sparse
+
+
 def test_presets_and_their_sizes():
     assert M.PRESETS["v3"].num_parameters() == pytest.approx(671e9, rel=0.01)
     assert M.PRESETS["v3"].num_parameters(active=True) == pytest.approx(37e9, rel=0.02)

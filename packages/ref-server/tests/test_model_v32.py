@@ -170,6 +170,19 @@ def test_tied_scores_pick_the_earlier_tokens_whatever_the_block_table_s_width(in
         assert slots[0].tolist() == want, width
 
 
+def test_top_positions_is_the_stable_sort_s_selection():
+    """Scores of few values (many ties), -0.0 beside 0.0, -inf, huge and tiny ones, rows shorter
+    and longer than topk: the positions a stable descending sort puts first, -1 at -inf."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    values = torch.tensor([-math.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 2.5, 3e38])
+    for width, topk in ((7, 16), (300, 16), (300, 300), (2048, 100)):
+        scores = values[torch.randint(len(values), (5, width), generator=g)]
+        scores[0] = -math.inf
+        sorted_scores, order = scores.sort(descending=True, stable=True)
+        want = order[:, :topk].int().masked_fill(sorted_scores[:, :topk] == -math.inf, -1)
+        assert torch.equal(indexer.top_positions(scores, topk), want), (width, topk)
+
+
 def test_sparse_attention_runs_through_mla_kernels_backend_switch(monkeypatch):
     """A cached step's sparse attention is mla_kernels' sparse MLA operator, in prefill and in
     decode: its backend switch is read (a bad value is named), and its torch reference gives

@@ -4,6 +4,7 @@ which another test module loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -146,6 +147,18 @@ def test_a_v32_cache_s_pages_name_its_index_keys_and_scales_after_the_latent_row
     assert 16 * M.cache_bytes_per_token(args) == sum(sizes) == 16 * LAYERS * (1152 + 132)
 
 
+def test_an_mtp_cache_s_pages_name_the_module_s_rows_and_the_prompt_s_hidden_state_last():
+    args = dataclasses.replace(M.PRESETS["tiny"], num_nextn_predict_layers=1)
+    kv = M.PagedKVCache(args, 8, 16)
+    rows = np.frombuffer(cache_pages(kv, [2, 0]).rows, dtype="<i8").reshape(-1, 3)
+    tensors = [*kv.layers, kv.prompt_hidden]
+    sizes = [PAGE_BYTES] * (LAYERS + 1) + [args.hidden_size * 4]
+    pairs = zip(tensors, sizes, strict=True)
+    want = [(t[b].data_ptr(), size, 0) for t, size in pairs for b in (2, 0)]
+    assert [tuple(r) for r in rows.tolist()] == want
+    assert M.cache_page_bytes(args, 16) == sum(sizes) == kv.page_bytes
+
+
 def test_without_nixl_the_agent_says_how_to_get_it(monkeypatch):
     import builtins
 
@@ -208,6 +221,26 @@ def test_a_deployment_with_kv_transfer_nixl_serves_what_one_process_generates(
     logged = captured.out + captured.err
     assert logged.count("comes by a NIXL read (--kv-transfer nixl)") == 1, logged[-3000:]
     assert "without NIXL" not in logged and "has no NIXL agent" not in logged
+
+
+@needs_nixl
+def test_a_decode_instance_drafts_from_the_hidden_state_its_nixl_read_brings(serving, tmp_path):
+    """`--kv-transfer nixl --speculative mtp`: the pages read through NIXL bring the prompt's
+    last hidden state (`drafts_as_one_engine`), and the router counts it in their bytes."""
+    reference = M.from_preset("tiny", seed=4)
+    config = serving.config(kv_transfer="nixl", draft_tokens=3)
+    running = serving.drafting_by_oracle(config, reference, tmp_path)
+    try:
+        serving.drafts_as_one_engine(running, reference)
+        url = f"http://127.0.0.1:{running.config.http_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        running.stop()
+    args = dataclasses.replace(reference.args, num_nextn_predict_layers=1)
+    pages = sum(-(-len(prompt) // 16) for prompt in serving.drafted)
+    moved = metric(text, 'ref_server_kv_transfer_bytes_total{method="nixl"}')
+    assert moved == pages * M.cache_page_bytes(args, 16)
+    assert metric(text, 'ref_server_kv_transfer_bytes_total{method="grpc"}') == 0
 
 
 @needs_nixl

@@ -12,6 +12,7 @@ from ref_server.repro import (
     CPU_LABEL,
     DECODE_EP144,
     PREFILL_EP32,
+    AttentionWork,
     Communication,
     Device,
     LayerTimes,
@@ -19,16 +20,22 @@ from ref_server.repro import (
     OperatingPoint,
     PhaseProjection,
     Reproduction,
+    SideBySide,
+    Speculation,
     Term,
     V3Dims,
     communication,
+    comparisons,
     imbalance,
     implied_step_time,
     margin,
     per_rank_work,
+    projected_verify,
     published,
     schedule,
+    tables,
 )
+from ref_server.repro.report import CAVEATS, SPARSE_PRICES
 from ref_server.repro.terms import SOURCES
 
 # One microbatch's parts in one layer, in units (ms below) chosen to make the hand computation
@@ -387,6 +394,216 @@ def test_gpu_figure_needs_a_measured_two_batch_step():
         table.prefill.gpu_figure()
 
 
+# --- V3.2's cache, long-context memory, attention work ---
+
+
+def test_v32_dims_cache_the_indexers_fp8_keys_beside_the_latent():
+    from ref_server.model.args import PRESETS
+    from ref_server.model.cache import cache_bytes_per_token
+
+    v32 = V3Dims(index_topk=2048)
+    assert v32.kv_bytes_per_token_per_layer(fp8=True) == 656 + 128 + 4  # e4m3 key, fp32 scale
+    # against the model's paged cache (bf16 latent, FP8 index keys), a layer's share
+    assert (
+        v32.kv_bytes_per_token_per_layer(fp8=False) == cache_bytes_per_token(PRESETS["v3.2"]) / 61
+    )
+    assert (
+        V3Dims().kv_bytes_per_token_per_layer(fp8=False)
+        == cache_bytes_per_token(PRESETS["v3"]) / 61
+    )
+
+
+def long_context(kv_length):
+    decode = OperatingPoint("decode", gpus=4, tokens_per_gpu=64, physical_experts=8)
+    projection = toy_projection(point=decode, kv_length=kv_length)
+    weights = Term("decode_weights_per_gpu", 40e9, "B", "assumed", "toy weights")
+    return Reproduction(toy_projection(), projection, decode_weights_per_gpu=weights)
+
+
+def test_the_memory_check_at_a_long_kv_length_says_how_many_requests_fit():
+    table = long_context(Term("decode_kv_length", 1_000_000, "tok", "assumed", "toy"))
+    memory = {t.name: t.value for t in table.memory()}
+    # 64 requests x 1M tokens x 3 layers x 656 B = 125.95 GB beside 40 GB of 141 GB
+    assert memory["decode_kv_cache_per_gpu"] == 125_952_000_000
+    assert memory["hbm_left"] == pytest.approx(141e9 - 40e9 - 125.952e9)
+    assert memory["decode_requests_that_fit"] == 51  # 101 GB / 1.968 GB a request
+    [caveat] = [c for c in table.caveats() if "do not fit" in c]
+    assert (
+        "At KV 1,000,000 the decode layout's 64 requests a GPU" in caveat and "(51 would)" in caveat
+    )
+    assert not [c for c in reproduction(H200).caveats() if "do not fit" in c]  # day 6's 4,989
+
+
+def test_attention_work_over_the_measured_core_gives_its_rates():
+    work = AttentionWork(
+        Term("decode_attention_flops", 4e9, "FLOP", "assumed", "toy count"),
+        Term("decode_attention_kv_bytes", 1e6, "B", "assumed", "toy count"),
+    )
+    decode = OperatingPoint("decode", gpus=4, tokens_per_gpu=64, physical_experts=8)
+    terms = {t.name: t for t in toy_projection(point=decode, attention=work).attention_terms()}
+    assert terms["decode_attention_core_flop_rate"].value == pytest.approx(2e12)  # / 2 ms
+    assert terms["decode_attention_core_kv_byte_rate"].value == pytest.approx(5e8)
+    assert terms["decode_attention_core_flop_rate"].basis == ("measured", "assumed")
+    assert toy_projection().attention_terms() == []
+
+
+# --- MTP ---
+
+# one MoE layer, no dense one: the steps below are worked out by hand
+ONE_LAYER = V3Dims(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=8)
+DECODE = OperatingPoint("decode", gpus=4, tokens_per_gpu=64, physical_experts=8)
+
+
+def speculation(acceptance=0.5, drafts=2):
+    rate = Term("mtp_acceptance", acceptance, "1", "assumed", "toy rate")
+    k = Term("mtp_drafts", drafts, "tok", "assumed", "toy drafts")
+    return Speculation(rate, k, projected_verify(toy_times(), k), toy_comm(6.0, 12.0))
+
+
+def mtp_projection(**kw):
+    return PhaseProjection(
+        DECODE, H200, toy_times(), toy_comm(), imbalance.PERFECT, dims=ONE_LAYER, **kw
+    )
+
+
+def test_a_projected_verify_step_is_the_decode_step_times_its_tokens():
+    k = Term("mtp_drafts", 2, "tok", "published", "toy")
+    verify = projected_verify(toy_times(), k)
+    assert verify.attention_core.value == pytest.approx(6e-3)  # 2 ms x 3 tokens a request
+    assert verify.head_and_sampling.value == pytest.approx(9e-3)
+    assert verify.gate.basis == ("measured", "published") and "projected" in verify.gate.note
+
+
+def test_accepted_length_of_a_round():
+    assert speculation(0.5, 2).accepted_length().value == 1.75  # 1 + 0.5 + 0.25
+    assert speculation(1.0, 3).accepted_length().value == 4
+    assert speculation(0.0, 1).accepted_length().value == 1
+    assert published.MTP_ACCEPTANCE.value == 0.85 and published.MTP_DRAFTS.value == 1
+
+
+def test_decode_with_mtp_of_one_toy_layer():
+    projection = mtp_projection(speculation=speculation())
+    steps = projection.speculation_steps
+    # the decode schedule of one layer, B two stages behind A (ms): A0 ap 1, A1 ac g 4, A2
+    # dispatch 4-7 and se 6, B0 7, A3 re 11 and combine 11-17, B1 14, A4 waits to 17, B2
+    # dispatch 17-20 and se 19, A5 20, B3 24 and combine 24-30, B4 waits to 30, B5 31; + head 3
+    assert steps["ideal_overlap"]["draft"].value == pytest.approx(0.034)
+    assert steps["no_overlap"]["draft"].value == pytest.approx(0.043)  # 2 x 20 + 3
+    # the verify step: compute x 3, dispatch 6, combine 12: A0 3, A1 12, A2 dispatch 12-18 and
+    # se 18, B0 21, A3 33 and combine 33-45, B1 42, A4 waits to 45, B2 dispatch 45-51 and se
+    # 51, A5 54, B3 66 and combine 66-78, B4 waits to 78, B5 81; + head 9
+    assert steps["ideal_overlap"]["verify"].value == pytest.approx(0.090)
+    assert steps["no_overlap"]["verify"].value == pytest.approx(0.111)  # 2 x 51 + 9
+    assert steps["ideal_overlap"]["step"].value == pytest.approx(0.158)  # 90 + 2 x 34
+    assert steps["no_overlap"]["step"].value == pytest.approx(0.197)  # 111 + 2 x 43
+    plain, mtp = projection.throughput["ideal_overlap"]
+    assert plain.value == pytest.approx(8 * 64 / 0.034)
+    assert mtp.value == pytest.approx(8 * 64 * 1.75 / 0.158)  # 5,670.9 tok/s a node
+    assert mtp.name == "decode_mtp_per_node_ideal_overlap" and projection.projected() is mtp
+    assert projection.throughput["no_overlap"][1].value == pytest.approx(8 * 64 * 1.75 / 0.197)
+    speedup = {t.name: t for t in projection.speculation_terms()}
+    assert speedup["decode_mtp_speedup_ideal_overlap"].value == pytest.approx(0.034 * 1.75 / 0.158)
+    assert speedup["mtp_decode_speedup"] is published.MTP_DECODE_SPEEDUP
+    assert speedup["verify_dispatch"].value == 6e-3
+    assert mtp_projection().speculation_terms() == [] and mtp_projection().speculation_steps == {}
+
+
+def test_comparisons_with_mtp_set_the_mtp_row_against_references_that_have_it():
+    rows = {
+        row.reference.name: row for row in comparisons(mtp_projection(speculation=speculation()))
+    }
+    mtp, plain = "decode_mtp_per_node_ideal_overlap", "decode_per_node_ideal_overlap"
+    assert rows["profile_decode_per_node"].ours.name == mtp
+    assert rows["sglang_decode_simulated_mtp_per_node"].ours.name == mtp
+    assert rows["sglang_decode_per_node"].ours.name == plain
+    assert "ours with MTP" in rows["profile_decode_per_node"].caveat
+    assert "ours without MTP" in rows["sglang_decode_per_node"].caveat
+    without = {row.reference.name: row for row in comparisons(mtp_projection())}
+    assert without["profile_decode_per_node"].ours.name == plain
+    assert "ours without MTP" in without["profile_decode_per_node"].caveat
+
+
+# --- side by side ---
+
+
+def run_of(model, kernels="ours", kv_length=None, **decode):
+    point = OperatingPoint("decode", gpus=4, tokens_per_gpu=64, physical_experts=8)
+    return Reproduction(
+        toy_projection(),
+        toy_projection(point=point, kv_length=kv_length, **decode),
+        kernels=kernels,
+        model=model,
+    )
+
+
+def test_slices_side_by_side_name_their_columns_by_what_differs():
+    v3 = run_of("v3")
+    core = Term("attention_core", 1e-3, "s", "measured", "toy")
+    faster = dataclasses.replace(v3.decode.times, attention_core=core)  # from 2 ms
+    sparse = dataclasses.replace(TOY_DIMS, index_topk=8)
+    decode = dataclasses.replace(v3.decode, times=faster, dims=sparse)
+    v32 = dataclasses.replace(v3, decode=decode, model="v3.2")
+    table = SideBySide((v3, v32))
+    assert table.differing == ["slices"] and table.columns == ["v3", "v3.2"]
+    rows = {(row["section"], row["name"]): row for row in table.rows()}
+    step = rows[("decode step_times", "decode_step_no_overlap")]
+    # 1 ms less in each of 2 MoE layers of 2 microbatches
+    assert step["values"]["v3"] - step["values"]["v3.2"] == pytest.approx(4e-3)
+    assert step["over_base"] == {"v3.2": step["values"]["v3.2"] / step["values"]["v3"]}
+    text = table.to_text()
+    assert (
+        text.splitlines()[0]
+        == "day-6 reproduction, slices side by side: GPU figure, measured on NVIDIA H200"
+    )
+    assert text.splitlines()[1] == "decode at KV 4,989"
+    caveats = table.caveats()
+    assert caveats[: len(CAVEATS)] == list(CAVEATS)  # both runs': unnamed
+    assert f"v3.2: {SPARSE_PRICES}" in caveats and f"- v3.2: {SPARSE_PRICES[:40]}" in text
+    both = SideBySide((run_of("v3"), run_of("v3.2", "deepseek")))
+    assert both.differing == ["slices", "kernels"] and both.columns == ["v3 ours", "v3.2 deepseek"]
+    assert list(both.to_json()["runs"]) == ["v3 ours", "v3.2 deepseek"]
+
+
+def test_tables_set_the_runs_at_each_kv_length_side_by_side():
+    long = Term("decode_kv_length", 32_768, "tok", "assumed", "toy")
+    runs = [
+        run_of("v3"),
+        run_of("v3", kv_length=long),
+        run_of("v3.2"),
+        run_of("v3.2", kv_length=long),
+    ]
+    first, second = tables(runs)
+    assert first.runs == (runs[0], runs[2]) and second.runs == (runs[1], runs[3])
+    assert second.to_text().splitlines()[1] == "decode at KV 32,768"
+    [alone] = tables(runs[:1])
+    assert alone is runs[0]
+
+
+@pytest.mark.parametrize(
+    "runs, message",
+    [
+        (lambda: (run_of("v3"),), "two or more reproductions"),
+        (lambda: (run_of("v3"), run_of("v3")), "different slices or kernels"),
+        (
+            lambda: (
+                run_of("v3"),
+                run_of("v3.2", kv_length=Term("decode_kv_length", 8, "tok", "assumed", "x")),
+            ),
+            "at one decode KV length",
+        ),
+    ],
+)
+def test_side_by_side_refuses_runs_it_cannot_set_in_columns(runs, message):
+    with pytest.raises(ValueError, match=message):
+        SideBySide(runs())
+
+
+def test_side_by_side_refuses_runs_with_mtp_and_without():
+    table = SideBySide((run_of("v3"), run_of("v3.2", speculation=speculation())))
+    with pytest.raises(ValueError, match="decode step_times terms differ: set MTP alike"):
+        table.rows()
+
+
 # --- bad inputs ---
 
 
@@ -433,6 +650,23 @@ def test_gpu_figure_needs_a_measured_two_batch_step():
         ),
         (lambda: Device("tpu", "x"), "device kind must be 'cuda' or 'cpu'"),
         (lambda: schedule.stages("decode", 0, 0), "moe_layers >= 1"),
+        (lambda: speculation(acceptance=1.2), r"mtp_acceptance must be in \[0, 1\], got 1.2"),
+        (lambda: speculation(drafts=0), "mtp_drafts must be a whole number >= 1, got 0"),
+        (
+            lambda: toy_projection(speculation=speculation()),
+            "speculation \\(MTP\\) is a decode projection's",
+        ),
+        (
+            lambda: mtp_projection(speculation=speculation(), measured_step=seconds(0.1)),
+            "give measured_step or speculation, not both",
+        ),
+        (
+            lambda: AttentionWork(
+                Term("decode_attention_flops", 1, "FLOP/s", "assumed", "x"),
+                Term("decode_attention_kv_bytes", 1, "B", "assumed", "x"),
+            ),
+            "decode_attention_flops must be in FLOP, got 'FLOP/s'",
+        ),
     ],
 )
 def test_bad_inputs_raise_naming_the_problem(build, message):

@@ -3,6 +3,7 @@ layout's stand-in exchange, the op times to the projection's parts, the syntheti
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -11,9 +12,17 @@ import pytest
 import torch
 
 from ref_server import cli
-from ref_server.repro import CPU_LABEL, NotAGPUFigure, imbalance, shapes, slices
+from ref_server.repro import CPU_LABEL, NotAGPUFigure, imbalance, published, shapes, slices
 from ref_server.repro.projection import LayerTimes
-from ref_server.repro.run import LAYOUTS, balancedness, reproduce, zipf_loads
+from ref_server.repro.run import (
+    LAYOUTS,
+    V3_LAYOUT,
+    balancedness,
+    kv_length_term,
+    mtp_terms,
+    reproduce,
+    zipf_loads,
+)
 
 MEASURED = list(LayerTimes.__dataclass_fields__)
 
@@ -62,8 +71,63 @@ def test_repro_on_the_cpu_runs_labels_every_term_and_is_no_gpu_figure(tmp_path, 
     )
 
 
+def test_v3_beside_v32_at_two_kv_lengths_with_mtp(tmp_path, capsys, term_rows):
+    """The tiny slice and its V3.2 twin (an indexer picking 8 tokens), decode at KV 64 and 256
+    with MTP at the published rate: a table a KV length, the slices in columns. V3's attention
+    reads every row of each context, V3.2's its picks and every index key; V3.2's verify step
+    is measured, V3's projected."""
+    path = tmp_path / "repro.json"
+    argv = ["repro", "--device", "cpu", "--reps", "1", "--zipf", "0", "--slice", "tiny,v3.2-tiny"]
+    argv += ["--kv-length", "64,256", "--mtp-acceptance", "--json", str(path)]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    heads = [line for line in out.splitlines() if line.startswith("day-6 reproduction")]
+    assert heads == [f"day-6 reproduction, slices side by side: {CPU_LABEL}"] * 2
+    assert "decode at KV 256, MTP at acceptance 0.85, 1 draft(s)" in out.splitlines()
+    document = json.loads(path.read_text())
+    for table in document["tables"]:
+        assert table["columns"] == ["tiny", "v3.2-tiny"]
+        for row in term_rows(table):
+            if "measured" in row.get("basis", [row["source"]]):
+                assert row.get("figure") == CPU_LABEL or CPU_LABEL in row["note"], row["name"]
+    runs = document["tables"][1]["runs"]
+    v3, v32 = (runs[name]["decode"] for name in ("tiny", "v3.2-tiny"))
+    work = [{row["name"]: row["value"] for row in phase["attention"]} for phase in (v3, v32)]
+    # 16 requests a microbatch at KV 256, 4 heads: V3 attends absorbed over every bf16 row
+    assert work[0]["decode_attention_flops"] == 16 * 2 * 4 * 256 * (576 + 512)
+    assert work[0]["decode_attention_kv_bytes"] == 16 * 256 * 1152
+    # V3.2 over 8 of them, and its 4 index heads of 128 score all 256 FP8 keys (132 B each)
+    assert work[1]["decode_attention_flops"] == 16 * 2 * (4 * 8 * 1088 + 4 * 128 * 256)
+    assert work[1]["decode_attention_kv_bytes"] == 16 * (8 * 1152 + 256 * 132)
+    mtp = [{row["name"]: row for row in phase["speculation"]} for phase in (v3, v32)]
+    assert mtp[0]["verify_attention_core"]["source"] == "derived"
+    assert "projected" in mtp[0]["verify_attention_core"]["note"]
+    assert mtp[1]["verify_attention_core"]["source"] == "measured"
+    assert (
+        "16 requests a microbatch of 2 new tokens each after 255"
+        in (mtp[1]["verify_attention_core"]["note"])
+    )
+    for terms in mtp:
+        assert terms["mtp_acceptance"]["source"] == "published"
+        assert terms["mtp_accepted_length"]["value"] == pytest.approx(1.85)
+    inputs = {row["name"]: row for row in v32["inputs"]}
+    assert inputs["decode_kv_length"]["value"] == 256
+    assert "at KV 256" in inputs["attention_core"]["note"]
+    assert (
+        "sparse attention through mla_kernels' reference backend"
+        in (inputs["attention_core"]["note"])
+    )
+    [profile] = [
+        row
+        for row in runs["v3.2-tiny"]["comparisons"]
+        if row["reference"]["name"] == "profile_decode_per_node"
+    ]
+    assert profile["ours"] == "decode_mtp_per_node_ideal_overlap"
+    assert "ours at KV 256; ours with MTP" in profile["caveat"]
+
+
 def test_a_cpu_projection_refuses_to_be_a_gpu_figure():
-    reproduction = reproduce("tiny", "cpu", reps=1, zipf=0)
+    [reproduction] = reproduce("tiny", "cpu", reps=1, zipf=0)
     assert reproduction.prefill.balancedness is imbalance.PERFECT
     for phase in (reproduction.prefill, reproduction.decode):
         with pytest.raises(NotAGPUFigure, match="CPU, not a GPU figure"):
@@ -81,6 +145,11 @@ def test_the_table_heads_with_its_label(capsys):
     ("argv", "message"),
     [
         (["--zipf", "-1"], "zipf must be >= 0, got -1"),
+        (["--kv-length", "1"], "decode KV lengths must be >= 2 tokens, got [1]"),
+        (
+            ["--slice", "tiny,v3.2-tiny", "--plot", "x.png"],
+            "--plot draws one kernel set, one slice and one KV length",
+        ),
         (["--device", "cuda"], "--device cuda: this torch has no CUDA device"),
     ],
 )
@@ -91,11 +160,20 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_an_unknown_slice_is_refused_by_its_flag(capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--slice", "v3,v4"], "invalid choice: 'v4'"),
+        (["--kv-length", "4989,0"], "expected whole numbers > 0 separated by commas, got '4989,0'"),
+        (["--mtp-acceptance", "1.5"], "must be a rate from 0 to 1, got '1.5'"),
+        (["--mtp-drafts", "4"], "invalid choice: 4"),
+    ],
+)
+def test_bad_flags_are_refused_by_their_parser(argv, message, capsys):
     with pytest.raises(SystemExit) as exit:
-        cli.main(["repro", "--slice", "v4"])
+        cli.main(["repro", *argv])
     assert exit.value.code == 2
-    assert "invalid choice: 'v4'" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_the_layout_exchange_gives_each_slot_the_layouts_rows():
@@ -159,6 +237,32 @@ def test_the_v3_slice_is_deepseek_v3_at_the_published_layouts():
     layout = LAYOUTS["v3"]
     assert layout.prefill is shapes.PREFILL_EP32 and layout.decode is shapes.DECODE_EP144
     assert layout.prompt == 4096
+    assert layout.kv_length == 4_989 and kv_length_term(4_989) is published.DAY6_MEAN_KV_LENGTH
+    assert kv_length_term(32_768).source == "assumed"
+
+
+def test_the_v32_slice_is_v3_with_deepseeks_indexer():
+    args = slices.slice_args("v3.2")
+    assert (args.index_topk, args.index_n_heads, args.index_head_dim) == (2048, 64, 128)
+    assert dataclasses.replace(args, index_topk=None) == slices.slice_args("v3")
+    assert slices.dims_of(args) == dataclasses.replace(shapes.V3, index_topk=2048)
+    assert LAYOUTS["v3.2"] is V3_LAYOUT
+    tiny = slices.slice_args("v3.2-tiny")
+    assert dataclasses.replace(tiny, index_topk=None, index_n_heads=64) == slices.slice_args("tiny")
+
+
+def test_mtp_terms_are_published_where_they_are_deepseeks():
+    assert mtp_terms(0.85, 1) == (published.MTP_ACCEPTANCE, published.MTP_DRAFTS)
+    rate, drafts = mtp_terms(0.7, 3)
+    assert (rate.value, rate.source, drafts.value, drafts.source) == (0.7, "assumed", 3, "assumed")
+    with pytest.raises(ValueError, match="draft_tokens must be 1 to 3, got 4"):
+        mtp_terms(0.85, 4)
+
+
+def test_a_verify_slice_has_each_requests_drafts_after_its_newest_token():
+    point = dataclasses.replace(LAYOUTS["tiny"].decode, tokens_per_gpu=3 * 32)
+    part = slices.Slice.build(point, slices.slice_args("tiny"), "cpu", context=100, query_len=3)
+    assert part.batch.query_lens == [3] * 16 and part.batch.context_lens == [102] * 16
 
 
 def test_on_the_cpu_the_host_ahead_context_does_nothing():

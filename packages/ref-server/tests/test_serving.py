@@ -6,15 +6,14 @@ test's own process."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
@@ -43,26 +42,11 @@ def reference():
     return M.from_preset("tiny", seed=SEED)
 
 
-# Prompts whose greedy continuations the speculative deployment drafts right (but at every
-# fifth position): accepted runs of up to 4 tokens. Their positions do not overlap.
-DRAFTED = {(5, 6, 7): 40, tuple(range(100, 230)): 30}
-
-
 @pytest.fixture(scope="module")
 def speculative_deployment(reference, serving, tmp_path_factory):
     """`--speculative mtp --draft-tokens 3`, drafting by `faults/sitecustomize.py`'s oracle."""
-    drafts = {}
-    for prompt, max_tokens in DRAFTED.items():
-        want = reference.generate([list(prompt)], M.SamplingParams(max_tokens=max_tokens))[0]
-        drafts |= {len(prompt) + i: t for i, t in enumerate(want)}
-    path = tmp_path_factory.mktemp("drafts") / "drafts.json"
-    path.write_text(json.dumps(drafts))
-    faults = str(Path(__file__).with_name("faults"))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", os.pathsep.join([faults, os.environ.get("PYTHONPATH", "")]))
-        env.setenv("REF_SERVER_TEST_DRAFTS", str(path))
-        config = serving.config(speculative="mtp", draft_tokens=3)
-        running = Deployment(config, startup_timeout=120)
+    folder = tmp_path_factory.mktemp("drafts")
+    running = serving.drafting_by_oracle(serving.config(draft_tokens=3), reference, folder)
     yield running
     running.stop()
 
@@ -476,7 +460,7 @@ def test_health_info_and_metrics(client, tiny_deployment):
 def test_speculative_decoding_streams_accepted_runs_reports_them_and_frees_pages(
     client, speculative_deployment, reference, serving
 ):
-    prompt, max_tokens = list(range(100, 230)), DRAFTED[tuple(range(100, 230))]
+    prompt, max_tokens = list(range(100, 230)), serving.drafted[tuple(range(100, 230))]
     want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
     chunks = list(client.stream(prompt, temperature=0, max_tokens=max_tokens, timeout=60))
     assert [t for c in chunks for t in c.token_ids] == want
@@ -494,6 +478,32 @@ def test_speculative_decoding_streams_accepted_runs_reports_them_and_frees_pages
     length = re.search(r'ref_server_worker_accepted_length\{worker="decode-0"\} (\S+)', text)
     assert 0.3 < float(rate[1]) < 1 and 1.3 < float(length[1]) <= 4
     serving.wait_idle(client)
+
+
+def test_a_decode_instance_drafts_its_first_step_from_the_prompt_s_last_hidden_state(
+    reference, serving, tmp_path
+):
+    """The pages streamed from the prefill instance bring it (`drafts_as_one_engine`)."""
+    running = serving.drafting_by_oracle(serving.config(draft_tokens=3), reference, tmp_path)
+    try:
+        serving.drafts_as_one_engine(running, reference)
+    finally:
+        running.stop()
+
+
+def test_instances_must_agree_on_drafting():
+    """A decode instance that drafts needs the hidden state that only a prefill instance that
+    drafts hands over: the router serves with neither kind of instance but its own."""
+    expected = Expected("f", 3, 16, 576, speculative=True)
+    info = pb.InstanceInfo(
+        model="tiny", model_fingerprint="f", num_layers=3, page_size=16, cache_width=576,
+        cache_dtype="bfloat16",
+    )  # fmt: skip
+    assert expected.problem(info, "bfloat16") == "tiny: speculative False, not True"
+    info.speculative = True
+    assert expected.problem(info, "bfloat16") == ""
+    plain = dataclasses.replace(expected, speculative=False)
+    assert plain.problem(info, None) == "tiny: speculative True, not False"
 
 
 def test_reflection_lists_only_the_public_api(tiny_deployment):
@@ -567,6 +577,18 @@ def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(serving, p
         two_batch_prefill_tokens=2,
     )  # fmt: skip
     reference = M.from_preset(preset, seed=SEED)
+    serving.instances_of_two_ranks(config, reference, batch_invariant=False)
+
+
+def test_instances_of_two_ranks_draft_with_two_batch_overlap(reference, serving):
+    """`--speculative mtp` on instances of two ranks with every step of two tokens or more in
+    two overlapped microbatches (verify steps too): the reference's greedy tokens within the
+    exchange's rounding. A rank without requests takes its experts' share of its peer's
+    verify and module steps, also while the peer drafts a handed-over request's first round."""
+    config = serving.config(
+        ranks=2, speculative="mtp", draft_tokens=3, two_batch="on", two_batch_decode_tokens=2,
+        two_batch_prefill_tokens=2,
+    )  # fmt: skip
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
 

@@ -34,27 +34,29 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
         preset="v2-lite", seed=SEED, device="cuda", num_blocks=512, block_size=64,
         max_model_len=2048, max_num_seqs=128,
     )  # fmt: skip
+    # one process running the instances' engine: prefill from the same graph buckets (padded to
+    # 256 tokens, a prompt may round unlike `generate`'s eager step of its own length), decode at
+    # batch 1; run before the instances start, so that an 80 GB GPU holds two V2-Lite copies
+    model = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
+    one = dataclasses.replace(scheduler_config(config), num_blocks=64, max_num_seqs=1)
+    reference = Engine(model, one, prefill_graph_tokens=config.prefill_graph_tokens)
+    assert reference.runner.prefill_graphs.buckets[0] == 256
+    g = torch.Generator().manual_seed(SEED)
+    # one request at a time, so the greedy tokens agree exactly (pages of 64: the prompts end
+    # inside, at and past a page)
+    prompts = [
+        (torch.randint(2, 100_000, (length,), generator=g).tolist(), max_tokens)
+        for length, max_tokens in ((5, 12), (64, 8), (300, 16))
+    ]
+    wants = [reference.generate([p], M.SamplingParams(max_tokens=n))[0] for p, n in prompts]
+    del reference, model
+    torch.cuda.empty_cache()
     deployment = Deployment(config, startup_timeout=400)
     try:
         client = Client(deployment.address)
-        # one process running the instances' engine: prefill from the same graph buckets
-        # (padded to 256 tokens, a prompt may round unlike `generate`'s eager step of its own
-        # length), decode at batch 1
-        model = M.from_preset("v2-lite", seed=SEED, dtype=torch.bfloat16, device="cuda")
-        one = dataclasses.replace(scheduler_config(config), num_blocks=64, max_num_seqs=1)
-        reference = Engine(model, one, prefill_graph_tokens=config.prefill_graph_tokens)
-        assert reference.runner.prefill_graphs.buckets[0] == 256
-        g = torch.Generator().manual_seed(SEED)
-        # one request at a time, so the greedy tokens agree exactly (pages of 64: the prompts
-        # end inside, at and past a page)
-        for length, max_tokens in ((5, 12), (64, 8), (300, 16)):
-            prompt = torch.randint(2, 100_000, (length,), generator=g).tolist()
-            want = reference.generate([prompt], M.SamplingParams(max_tokens=max_tokens))[0]
-            assert (
-                client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=120).token_ids
-                == want
-            )
-        del reference, model
+        for (prompt, max_tokens), want in zip(prompts, wants, strict=True):
+            got = client.generate(prompt, temperature=0, max_tokens=max_tokens, timeout=120)
+            assert got.token_ids == want
         requests = [  # sampled, of many lengths: decode batches of many sizes
             dict(prompt=f"request {i} " * (i + 1), max_tokens=32, temperature=0.8, seed=i)
             for i in range(48)
@@ -71,10 +73,16 @@ def test_v2_lite_deployment_matches_one_process_and_moves_kv_through_cuda_ipc(se
         deployment.stop()
 
 
-def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving):
+@pytest.mark.parametrize("speculative", ["off", "mtp"])
+def test_instances_of_two_ranks_on_the_gpu_exchange_through_ep_comm_cuda(serving, speculative):
     """The tiny preset in four processes sharing the GPU: each instance's two ranks move MoE
-    rows with ep_comm's cuda backend (CUDA IPC), an idle rank in lockstep with a busy one."""
-    config = serving.config(seed=SEED, device="cuda", ranks=2)
+    rows with ep_comm's cuda backend (CUDA IPC), an idle rank in lockstep with a busy one; with
+    --speculative mtp and two-batch overlap, through verify and module steps too."""
+    drafting = dict(draft_tokens=3, two_batch="on", two_batch_decode_tokens=2)
+    config = serving.config(
+        seed=SEED, device="cuda", ranks=2, speculative=speculative,
+        **(drafting if speculative == "mtp" else {}),
+    )  # fmt: skip
     reference = M.from_preset("tiny", seed=SEED, dtype=torch.bfloat16, device="cuda")
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 
@@ -180,6 +188,52 @@ def test_a_cuda_ipc_copy_that_outlasts_its_lease_is_an_error_not_wrong_kv(servin
     finally:
         prefill.kill()
         prefill.wait()
+
+
+def test_cuda_ipc_copies_a_prompt_s_last_hidden_state_with_its_pages(serving):
+    """A prefill instance that drafts with the MTP module: a prompt's pages copied through CUDA
+    IPC into this process's cache are the bytes the gRPC stream carries (the module's rows, and
+    the prompt's last hidden state in its last page); an engine started on them drafts before
+    it verifies anything."""
+    config = serving.config(seed=SEED, device="cuda", speculative="mtp", draft_tokens=3)
+    port = free_port()
+    env = {**os.environ, SECRET_ENV: "handoff-test"}
+    prefill = subprocess.Popen(serve_command(config, role="prefill", port=port), env=env)
+    address = f"127.0.0.1:{port}"
+    model = M.from_preset("tiny", seed=SEED, mtp=True, dtype=torch.bfloat16, device="cuda")
+    engine = Engine(model, scheduler_config(config), draft_tokens=3)
+    prompt, params = list(range(3, 60)), M.SamplingParams(max_tokens=8)  # 4 pages of 16
+
+    async def run() -> None:
+        puller = KvPuller(engine.runner, "handoff-test", "cuda_ipc")
+        puller.set_peers([address])
+        channel = internal_channel(address, "handoff-test")
+        stub, kv = rpc.PrefillStub(channel), rpc.KvTransferStub(channel)
+        message = pb.PrefillRequest(
+            request_id="r", token_ids=prompt, sampling=pb.SamplingParams(max_tokens=8)
+        )
+        first = await stub.Prefill(message, timeout=60)
+        pages = [m async for m in kv.Pull(pb.PullRequest(kv_handle=first.kv_handle))]
+        targets = engine.reserve(prompt, first.first_token, params, "r")
+        assert [index for index, _ in targets] == list(range(first.num_pages))
+        assert await puller.pull(address, first.kv_handle, targets, first.num_pages) == CUDA_IPC
+        for (index, block), page in zip(targets, pages, strict=True):
+            assert engine.runner.read_page(block).numpy().tobytes() == page.data, index
+        hidden = engine.runner.cache.prompt_hidden[targets[-1][1]]
+        assert hidden.abs().sum() > 0
+        await channel.close()
+
+    try:
+        wait_serving(address, 120, prefill)
+        asyncio.run(run())
+    finally:
+        prefill.kill()
+        prefill.wait()
+    seq = engine.start("r")
+    assert engine.step() == [] and len(seq.drafts) == 3
+    while engine.has_work():
+        engine.step()
+    assert len(seq.completion) == 8 and engine.speculative_stats.rounds > 0
 
 
 def test_a_dead_prefill_instance_is_unmapped_and_a_restarted_one_mapped_again(serving):

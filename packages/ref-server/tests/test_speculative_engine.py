@@ -1,17 +1,23 @@
 """Speculative decoding with the MTP module through the engine (CPU): the same greedy tokens
 as the plain engine, the same sampled tokens as the one-process path, stops and max_tokens
-exact inside accepted runs, rejected drafts' pages given back."""
+exact inside accepted runs, rejected drafts' pages given back; a prompt prefilled in one engine
+drafts in the other from the hidden state its pages bring."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 import ref_server.model as M
 import ref_server.model.speculative as S
+from ep_comm.testing import run_ranks
 from ref_server.engine import Engine, FinishReason, Scheduler, SchedulerConfig, Sequence
 from ref_server.model import SamplingParams
 
+SCENARIOS = str(Path(__file__).with_name("model_scenarios.py"))
 BLOCK = 16  # the smallest page the cache takes: runs and rollbacks cross pages
 
 
@@ -116,6 +122,79 @@ def test_stops_and_max_tokens_end_accepted_runs_exactly(model):
             assert seq.num_new == (end - 1) % 4 + 1 if end else 1
 
 
+def hand_over(prefill: Engine, decode: Engine, prompt: list[int], params, request_id: str):
+    """A prompt prefilled in one engine and started in the other, as a prefill instance and a
+    decode instance do it: the pages move as bytes (what the gRPC stream carries)."""
+    first = dataclasses.replace(params, max_tokens=1)
+    held = prefill.add(prompt, first, request_id, hold_pages=True)
+    while prefill.has_work():
+        prefill.step()
+    targets = decode.reserve(prompt, held.completion[0], params, request_id)
+    pages = prefill.pages(request_id)
+    for index, block in targets:
+        decode.runner.write_page(block, pages[index])
+    assert prefill.release(request_id)
+    return decode.start(request_id), targets
+
+
+def module_rows(engine: Engine, seq: Sequence, count: int) -> torch.Tensor:
+    """The MTP module's cache rows of seq's first `count` positions `[count, width]`."""
+    page = engine.scheduler.config.block_size
+    rows = [seq.block_table[p // page] * page + p % page for p in range(count)]
+    return engine.runner.cache.layers[-1].flatten(0, 2)[rows]
+
+
+def test_a_decode_engine_drafts_from_the_hidden_state_the_prefill_engine_handed_over(model):
+    """Prompts prefilled in chunks by one engine (one of them a page long), their pages copied
+    into another: before verifying anything, the second engine's module drafts what one engine
+    drafts after its prefill, over the same module rows; then both give the same tokens and
+    drafting stats. The drafts are the random module's own: they depend on the hidden state
+    handed over and on the module's rows."""
+    prompts = prompts_of(13, lengths=(5, 16, 40, 70))
+    params = SamplingParams(max_tokens=12)
+    one = Engine(model, config(num_blocks=48), draft_tokens=3)
+    want = [one.add(prompt, params) for prompt in prompts]
+    one.step()  # every prompt prefilled and drafted for
+    prefill = Engine(model, config(num_blocks=48, max_num_batched_tokens=32), draft_tokens=3)
+    decode = Engine(model, config(num_blocks=48), draft_tokens=3)
+    got = [hand_over(prefill, decode, p, params, f"r{i}")[0] for i, p in enumerate(prompts)]
+    assert not any(seq.drafts for seq in got)
+    assert decode.step() == []  # their first drafts, nothing verified
+    for seq, mine, prompt in zip(got, want, prompts, strict=True):
+        assert len(seq.drafts) == 3
+        assert (seq.drafts, seq.tokens) == (mine.drafts, mine.tokens)
+        assert len(seq.block_table) == len(mine.block_table)  # pages for the drafts
+        rows = module_rows(decode, seq, len(prompt))
+        assert rows.abs().sum(-1).min() > 0  # every row written
+        torch.testing.assert_close(rows, module_rows(one, mine, len(prompt)), rtol=0, atol=1e-2)
+    while one.has_work() or decode.has_work():
+        one.step()
+        decode.step()
+    assert [seq.completion for seq in got] == [seq.completion for seq in want]
+    assert decode.speculative_stats == one.speculative_stats
+    assert decode.speculative_stats.drafted > 0
+
+
+def test_the_page_of_a_handed_over_prompt_s_last_token_always_comes_with_it(model):
+    """A decode engine that has a page-aligned prompt's pages cached still takes the page of
+    its last token from the transfer (it brings the hidden state of the first draft, whose
+    module row must not land in a page other sequences share); a plain one shares it."""
+    prompt = prompts_of(17, lengths=(32,))[0]
+    params = SamplingParams(max_tokens=3)
+    for draft_tokens, again in ((3, [1]), (0, [])):
+        prefill = Engine(model, config(), draft_tokens=draft_tokens)
+        decode = Engine(model, config(), draft_tokens=draft_tokens)
+        first, targets = hand_over(prefill, decode, prompt, params, "a")
+        assert [index for index, _ in targets] == [0, 1]
+        blocks = list(first.block_table)
+        while decode.has_work():
+            decode.step()
+        second, targets = hand_over(prefill, decode, prompt, params, "b")
+        assert targets == [(index, second.block_table[index]) for index in again]
+        assert second.block_table[0] == blocks[0]  # the first page is shared
+        assert (second.block_table[1] == blocks[1]) == (not again)
+
+
 def test_the_engine_refuses_what_it_cannot_speculate_with(model):
     with pytest.raises(ValueError, match="no MTP module"):
         Engine(M.from_preset("tiny"), config(), draft_tokens=1)
@@ -123,3 +202,7 @@ def test_the_engine_refuses_what_it_cannot_speculate_with(model):
         Engine(model, config(), draft_tokens=4)
     with pytest.raises(ValueError, match="not with overlapped steps"):
         Engine(model, config(), draft_tokens=1, overlap_steps="on")
+
+
+def test_expert_parallel_engines_draft_the_plain_tokens_over_two_gloo_ranks():
+    run_ranks(2, SCENARIOS, "speculative_engines_match_plain_ones", limit=300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,21 @@ def test_fill_of_padding_only():
         [0, 0, 0, 1],
         [PAD_SLOT] * 3 + [1],
         [False] * 3 + [True],
+    ]
+
+
+def test_fill_takes_real_rows_and_numpy_rows():
+    """Rows the caller lays out itself (padding among them): its real_rows, numpy arrays."""
+    inputs = StaticInputs(6, "cpu", PAD_SLOT)
+    gen = np.random.default_rng()
+    ids, positions, slots = (gen.integers(0, 1000, 5) for _ in range(3))
+    real = gen.integers(0, 2, 5).astype(bool)
+    inputs.fill(5, 6, ids, positions, slots, real)
+    assert values(inputs, 6) == [
+        [*ids.tolist(), 0],
+        [*positions.tolist(), 0],
+        [*slots.tolist(), PAD_SLOT],
+        [*real.tolist(), False],
     ]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ref_server.model as M
+import ref_server.model.speculative as S
 from ep_comm.testing import run_ranks
 from overlap_sched import Recorder
 from overlap_sched.gating import Thresholds
@@ -239,3 +240,44 @@ def test_expert_parallel_two_batches_match_one_over_two_gloo_ranks(checkpoints, 
     checkpoints.write(tmp_path, seed=12)
     scenarios = str(Path(__file__).with_name("model_scenarios.py"))
     run_ranks(2, scenarios, "two_batches_match_one", str(tmp_path), limit=300)
+
+
+@pytest.mark.parametrize("drafter", ["module", "oracle"])
+def test_drafts_verified_in_two_batches_give_the_plain_engine_s_tokens(
+    monkeypatch, oracle, drafter
+):
+    """SGLang's users report two-batch overlap and MTP breaking each other. Here every verify
+    step of two sequences or more (each sequence's newest token and its drafts, through the
+    decode kernel) runs as two overlapped microbatches split between sequences, and the greedy
+    tokens are the plain engine's, drafting by the random module (drafts rejected) or by an
+    oracle (runs of them accepted)."""
+    from ref_server.engine.model_runner import ModelRunner
+
+    plain, mtp = (M.from_preset("tiny", seed=3, mtp=with_module) for with_module in (False, True))
+    config = SchedulerConfig(
+        num_blocks=48, block_size=16, max_num_batched_tokens=100, max_model_len=512
+    )
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 90, 17)]
+    params = SamplingParams(max_tokens=12)
+    want = Engine(plain, config).generate(prompts, params)
+    if drafter == "oracle":  # the continuations' positions do not overlap
+        drafts = {
+            len(p) + i: t for p, w in zip(prompts, want, strict=True) for i, t in enumerate(w)
+        }
+        monkeypatch.setattr(S, "propose", oracle(drafts, wrong_every=5))
+    verifies = []  # the splits of decode steps, whose sequences verify drafts
+    split = ModelRunner._split
+
+    def recorded(self, batch, between_sequences=False):
+        result = split(self, batch, between_sequences)
+        if between_sequences:
+            verifies.append(result)
+        return result
+
+    monkeypatch.setattr(ModelRunner, "_split", recorded)
+    engine = Engine(
+        mtp, config, two_batch="on", thresholds=Thresholds(decode=2, prefill=2), draft_tokens=3
+    )
+    assert engine.generate(prompts, params) == want
+    assert engine.speculative_stats.drafted > 0
+    assert len(verifies) >= 3 and not any(s.cut for s in verifies)

@@ -4,8 +4,8 @@ Attention's top-k tokens), with FlashMLA's two sparse call surfaces: decode thro
 
 Both are the op `torch.ops.mla_kernels.sparse_mla` over flat token slots: the Triton kernels
 (`mla_kernels.sparse_triton`) or the torch reference (`reference.sparse_attention`), chosen by
-`MLA_KERNELS_SPARSE_BACKEND`: `reference` (the default until the kernels have run on a GPU),
-`auto` (the kernels on CUDA devices when Triton is installed, the reference elsewhere), or
+`MLA_KERNELS_SPARSE_BACKEND`: `auto` (the default: the kernels on CUDA devices when Triton is
+installed, the reference elsewhere), `reference`, or
 `triton` (the kernels everywhere: on the CPU only in Triton's interpreter, TRITON_INTERPRET=1).
 """
 
@@ -26,7 +26,7 @@ MAX_HEADS = 128
 
 def sparse_backend(device: torch.device | str) -> str:
     """`"triton"` when the Triton kernels serve tensors on `device`, else `"reference"`."""
-    choice = os.environ.get("MLA_KERNELS_SPARSE_BACKEND", "reference")
+    choice = os.environ.get("MLA_KERNELS_SPARSE_BACKEND", "auto")
     if choice not in SPARSE_BACKENDS:
         raise ValueError(
             f"MLA_KERNELS_SPARSE_BACKEND={choice!r}; expected one of {', '.join(SPARSE_BACKENDS)}"

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ref_server import __version__, economics, kernel_choice
+from ref_server.repro.published import MTP_ACCEPTANCE
 from ref_server.services.config import (
     GROUP_STORES,
     KV_TRANSFERS,
@@ -132,21 +133,26 @@ Give one schedule; a comma-separated list runs each value in turn (a sweep):
   --fill N         saturation: N requests at once; output tok/s is measured over the window in
                    which all N decode (from the last one's second token to the first one's end)"""
 REPRO_DESCRIPTION = """\
-Measure DeepSeek-V3-shaped slices on this machine's device and project them to DeepSeek's
-day-6 deployment: one dense and one MoE layer as one GPU of each layout runs them (prefill
-EP32: 9 expert slots, 16,384 tokens in 2 microbatches of 4K prompts; decode EP144: 2 slots,
-128 requests in 2 microbatches at 4K cached tokens), each part of a layer timed; dispatch and
-combine from DeepEP's published H800 + InfiniBand figures, scaled to the layout's bytes;
-balancedness from EPLB over synthetic loads. Prints per-node tokens/s with no overlap and with
-ideal two-batch overlap (an upper bound), next to DeepSeek's and SGLang's figures, and the
-margin at DeepSeek's prices and rent. Every number says whether it is measured, published,
-assumed or derived; a CPU run says on every line that it is not a GPU figure."""
+Measure DeepSeek-V3- or V3.2-shaped slices on this machine's device and project them to
+DeepSeek's day-6 deployment: one dense and one MoE layer as one GPU of each layout runs them
+(prefill EP32: 9 expert slots, 16,384 tokens in 2 microbatches of 4K prompts; decode EP144: 2
+slots, 128 requests in 2 microbatches at day 6's mean KV length of 4,989 tokens, or the lengths
+given), each part of a layer timed; dispatch and combine from DeepEP's published H800 +
+InfiniBand figures, scaled to the layout's bytes; balancedness from EPLB over synthetic loads.
+Prints per-node tokens/s with no overlap and with ideal two-batch overlap (an upper bound), next
+to DeepSeek's and SGLang's figures, and the margin at DeepSeek's prices and rent; several slices
+or kernel sets side by side at each KV length. With --mtp-acceptance, decode also with MTP: the
+verify step measured for V3.2 and projected for V3, the drafts projected. Every number says
+whether it is measured, published, assumed or derived; a CPU run says on every line that it is
+not a GPU figure."""
 REPRO_EPILOG = """\
 examples:
   ref-server repro                      # on a GPU: the v3 slice in FP8
   ref-server repro --zipf 0 --json      # perfectly even routing, as DeepSeek's profile data
   ref-server repro --device cpu         # the tiny slice: checks the pipeline, not a figure
   ref-server repro --kernels ours,deepseek   # ours beside FlashMLA's and DeepGEMM's kernels
+  ref-server repro --slice v3,v3.2 --kv-length 4989,32768,131072 --mtp-acceptance
+                                        # V3 beside V3.2 at three KV lengths, with MTP at 85 %
 
 See docs/reproduction.md for the method and its caveats."""
 BENCH_EPILOG = """\
@@ -287,9 +293,36 @@ def _repro_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--slice",
-        choices=("v3", "tiny"),
-        help="v3: DeepSeek-V3's layers at its layouts (a GPU); tiny: V3-shaped with tiny widths "
-        "and fewer tokens (a CPU) (default: v3 on CUDA, tiny on the CPU)",
+        type=_slices,
+        metavar="NAME[,NAME...]",
+        help="v3: DeepSeek-V3's layers at its layouts (a GPU); v3.2: DeepSeek-V3.2's (V3 with "
+        "the lightning indexer and sparse attention); tiny, v3.2-tiny: V3-shaped with tiny widths "
+        "and fewer tokens (a CPU); several, comma-separated, side by side, the first the base "
+        "(default: v3 on CUDA, tiny on the CPU)",
+    )
+    parser.add_argument(
+        "--kv-length",
+        type=_lengths,
+        metavar="N[,N...]",
+        help="decode's KV length a request, tokens; several, comma-separated: a table each "
+        "(default: day 6's mean 4,989; the tiny slices 64)",
+    )
+    parser.add_argument(
+        "--mtp-acceptance",
+        type=_acceptance,
+        nargs="?",
+        const=MTP_ACCEPTANCE.value,
+        metavar="P",
+        help="decode also with MTP, each draft accepted at rate P (alone: DeepSeek-V3's "
+        f"published 85-90 %%, its lower end {MTP_ACCEPTANCE.value:g}) (default: off)",
+    )
+    parser.add_argument(
+        "--mtp-drafts",
+        type=int,
+        choices=(1, 2, 3),
+        default=1,
+        metavar="K",
+        help="MTP's drafts a round, 1 to 3 (default: 1, as DeepSeek-V3's one module)",
     )
     parser.add_argument(
         "--weight-dtype",
@@ -317,12 +350,20 @@ def _repro_flags(parser: argparse.ArgumentParser) -> None:
         "deepseek:PART[,PART...]; several, comma-separated, are measured in turn and set side "
         "by side, the first the base (default: ours)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="print JSON instead of the table; with PATH write it there and print the table",
+    )
     parser.add_argument(
         "--terms", action="store_true", help="also every input term, with its source and note"
     )
     parser.add_argument(
-        "--plot", metavar="PNG", help="bars of ours beside the published figures (one set)"
+        "--plot",
+        metavar="PNG",
+        help="bars of ours beside the published figures (one slice, kernel set, KV length)",
     )
 
 
@@ -477,6 +518,37 @@ def _positive(text: str) -> int:
     return value
 
 
+def _slices(text: str) -> list[str]:
+    from ref_server.repro.run import LAYOUTS
+
+    names = text.split(",")
+    for name in names:
+        if name not in LAYOUTS:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {name!r} (choose from {', '.join(LAYOUTS)})"
+            )
+    return names
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return [_positive(value) for value in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected whole numbers > 0 separated by commas, got {text!r}"
+        ) from None
+
+
+def _acceptance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a rate from 0 to 1, got {text!r}")
+    return value
+
+
 def _sweep(text: str) -> list[float]:
     try:
         return [float(value) for value in text.split(",")]
@@ -618,30 +690,35 @@ def _bench(args: argparse.Namespace) -> int:
 def _repro(args: argparse.Namespace) -> int:
     choices = kernel_choice.parse_list(args.kernels)
     kernels = [choice.spec for choice in choices]
-    if args.plot:
-        if len(kernels) > 1:
-            raise ValueError("--plot draws one kernel set; give --kernels one")
-        from ref_server.bench.plot import require_matplotlib
-
-        require_matplotlib()  # before the measurement, not after it
+    device = args.device
     import torch
 
-    from ref_server.repro.report import SideBySide
-    from ref_server.repro.run import draw, reproduce
-
-    device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this torch has no CUDA device")
     on_gpu = device != "cpu"
-    slice_name = args.slice or ("v3" if on_gpu else "tiny")
+    slice_names = args.slice or ["v3" if on_gpu else "tiny"]
+    if args.plot:
+        if len(kernels) * len(slice_names) * len(args.kv_length or [None]) > 1:
+            raise ValueError(
+                "--plot draws one kernel set, one slice and one KV length; give each once"
+            )
+        from ref_server.bench.plot import require_matplotlib
+
+        require_matplotlib()  # before the measurement, not after it
+    from ref_server.repro.report import tables
+    from ref_server.repro.run import draw, reproduce
+
     weight_dtype = args.weight_dtype or ("fp8" if on_gpu else "bf16")
     for choice in choices:  # a missing library before the first set's measurement
         parts = choice.parts_in(fp8=weight_dtype == "fp8", expert_parallel=False)
         kernel_choice.check_findable(parts, choice.spec)
     runs = [
-        reproduce(
+        run
+        for slice_name in slice_names
+        for spec in kernels
+        for run in reproduce(
             slice_name,
             device,
             None if weight_dtype == "bf16" else weight_dtype,
@@ -649,16 +726,24 @@ def _repro(args: argparse.Namespace) -> int:
             args.zipf,
             args.seed,
             spec,
+            args.kv_length,
+            args.mtp_acceptance,
+            args.mtp_drafts,
         )
-        for spec in kernels
     ]
-    reproduction = runs[0] if len(runs) == 1 else SideBySide(tuple(runs))
+    reports = tables(runs)
     if args.json:
-        print(json.dumps(reproduction.to_json(), indent=2))
-    else:
-        print(reproduction.to_text(every_term=args.terms))
+        documents = [report.to_json() for report in reports]
+        document = documents[0] if len(documents) == 1 else {"tables": documents}
+        text = json.dumps(document, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    if args.json != "-":
+        print("\n\n".join(report.to_text(every_term=args.terms) for report in reports))
     if args.plot:
-        draw(reproduction, args.plot)
+        draw(reports[0], args.plot)
     return 0
 
 

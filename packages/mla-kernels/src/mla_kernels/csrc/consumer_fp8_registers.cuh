@@ -139,7 +139,7 @@ __device__ void load_q_by_columns(const DecodeParams& p, T* sq, int batch, int h
 
 // Zero the latent values and scales of the rows of a raw tile not `attended`: they may hold NaN
 // (past the sequence, or left from an earlier tile), and a zero probability times NaN is NaN.
-__device__ void zero_unattended_raw_rows(uint8_t* raw, uint64_t attended, int tid) {  // by one warpgroup
+__device__ inline void zero_unattended_raw_rows(uint8_t* raw, uint64_t attended, int tid) {  // by one warpgroup
   constexpr int kPieces = kHeadDimV / 16 + 1;  // the latent values' 16-byte pieces, then the scales
   for (int i = tid; i < kBlockN * kPieces; i += 128) {
     const int row = i / kPieces, piece = i % kPieces;

@@ -117,21 +117,24 @@ class BlockManager:
             )
         return hashes[: num_tokens // size]
 
-    def _cached_pages(self, seq: Sequence) -> list[int]:
-        return self.lookup(self._page_hashes(seq, len(seq) - 1))
+    def _cached_pages(self, seq: Sequence, shareable: int | None) -> list[int]:
+        """The cached pages among those of seq's first `shareable` tokens (None: all but its
+        newest)."""
+        return self.lookup(self._page_hashes(seq, len(seq) - 1 if shareable is None else shareable))
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        cached = self._cached_pages(seq)
+    def can_allocate(self, seq: Sequence, shareable: int | None = None) -> bool:
+        cached = self._cached_pages(seq, shareable)
         reusable_free = sum(1 for b in cached if b in self.free)
         return seq.num_blocks(self.block_size) - len(cached) + reusable_free <= self.num_free
 
-    def allocate(self, seq: Sequence) -> None:
-        """Pages for all of seq's tokens, sharing cached prefix pages; sets num_cached."""
+    def allocate(self, seq: Sequence, shareable: int | None = None) -> None:
+        """Pages for all of seq's tokens, sharing cached prefix pages among those of its first
+        `shareable` tokens (None: all but its newest); sets num_cached."""
         if seq.block_table:
             raise ValueError(f"{seq.request_id} already has pages")
-        if not self.can_allocate(seq):
+        if not self.can_allocate(seq, shareable):
             raise MemoryError(f"not enough free pages for {seq.request_id}")
-        cached = self._cached_pages(seq)
+        cached = self._cached_pages(seq, shareable)
         for block in cached:
             self._take(block)
         seq.block_table = cached + [

@@ -18,6 +18,11 @@ verifies the drafts of every decoding sequence (`ModelRunner.verify`), the seque
 accepted drafts and one more token (a stop or max_tokens inside the run ends it there), the
 pages that hold only rejected drafts go back, and the module drafts the next round's tokens
 (`ModelRunner.draft`); `step` returns the sequences that got tokens (`seq.num_new` of them).
+Between a prefill instance and a decode instance, the prompt's last hidden state moves with
+the pages: the prefill instance's module reads the prompt (its held pages get the module's
+rows) and keeps that hidden state in the last token's page; a sequence the decode instance
+starts awaits its first draft (`seq.awaits_draft`), which the next step's module makes from
+it, and is verified from the step after.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ref_server.engine.model_runner import LaunchedStep, ModelRunner
-from ref_server.engine.scheduler import Scheduler, SchedulerConfig
+from ref_server.engine.scheduler import Scheduler, SchedulerConfig, Step
 from ref_server.engine.sequence import Sequence, Status
 from ref_server.model.expert_rebalance import Moved
 from ref_server.model.sampling import SamplingParams
@@ -50,8 +55,8 @@ def speculation_refusal(model, overlap_steps: str, eplb) -> str | None:
         return "the model has no MTP module (num_nextn_predict_layers 0)"
     if overlap_steps == "on":
         return "not with overlapped steps: a round's drafts come from its verified tokens"
-    if model.expert_parallel or eplb:
-        return "not with expert parallelism or expert balancing yet"
+    if eplb:
+        return "not with expert balancing yet: the MTP module's experts stay where they start"
     return None
 
 
@@ -87,7 +92,7 @@ class Engine:
         self.overlap_steps = overlap_steps == "on"
         self.model = model
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config, **runner_options)
+        self.runner = ModelRunner(model, config, draft_tokens=draft_tokens, **runner_options)
         args = model.args
         self.eos_ids = frozenset({args.eos_token_id} - {None})
         self.idle = False  # the last step found nothing it could run
@@ -146,13 +151,19 @@ class Engine:
         the caller must write before `start`. QueueFull when there is no room now."""
         seq = self._sequence(prompt, params, request_id, cache_salt=cache_salt)
         seq.tokens.append(first_token)
-        indices = self.scheduler.reserve(seq, len(prompt))
+        # the page of the prompt's last token brings the hidden state of the first draft, which
+        # writes the module's row there: never a cached page another sequence may share
+        shareable = len(prompt) - 1 if self.draft_tokens else None
+        indices = self.scheduler.reserve(seq, len(prompt), shareable)
         return [(index, seq.block_table[index]) for index in indices]
 
     def start(self, request_id: str) -> Sequence:
-        """A reserved request whose KV is written joins the running batch."""
+        """A reserved request whose KV is written joins the running batch (speculating: it
+        awaits its first draft)."""
         seq = self.scheduler.reserved[request_id]
-        return self.scheduler.start(request_id, len(seq.prompt))
+        seq = self.scheduler.start(request_id, len(seq.prompt))
+        seq.awaits_draft = bool(self.draft_tokens)
+        return seq
 
     def abort(self, request_id: str) -> Sequence | None:
         return self.scheduler.abort(request_id)
@@ -173,11 +184,13 @@ class Engine:
         if self.in_flight and self.scheduler.short_of_pages():
             return self._read_in_flight()  # the next step preempts knowing who finished
         step = self.scheduler.schedule()
+        if self.draft_tokens:
+            awaiting = [seq for seq in self.scheduler.running if seq.awaits_draft]
+            self.idle = step is None and not awaiting
+            return self._nothing_to_run() if self.idle else self._speculative_step(step, awaiting)
         self.idle = step is None and self.in_flight is None
         if step is None:
             return self._read_in_flight() if self.in_flight else self._nothing_to_run()
-        if self.draft_tokens:
-            return self._speculative_step(step)
         if not self.overlap_steps:
             return self.scheduler.advance(step, self.runner.run(step))
         launched = self.runner.launch(step, self.in_flight, read_later=True)
@@ -187,20 +200,28 @@ class Engine:
         self.in_flight = launched
         return updated
 
-    def _speculative_step(self, step) -> list[Sequence]:
+    def _speculative_step(self, step: Step | None, awaiting: list[Sequence]) -> list[Sequence]:
+        """Verify `step` (None: nothing to verify here; an expert-parallel rank takes its share
+        of its peers'), then draft the next round for its running sequences and for those
+        `awaiting` their first draft."""
         verified = self.runner.verify(step, self.forced_acceptance)
-        stats = self.speculative_stats
-        for seq, tokens in zip(step.seqs, verified.accepted, strict=True):
-            if seq.drafts:
-                stats.rounds += 1
-                stats.drafted += len(seq.drafts)
-                stats.accepted += len(tokens) - 1
-        updated = self.scheduler.accepted(step, verified.accepted)
-        counts = {
-            seq: self.scheduler.draft_room(seq, self.draft_tokens)
-            for seq in updated
-            if seq.status is Status.RUNNING
-        }
+        updated, counts = [], {}
+        if step is not None:
+            stats = self.speculative_stats
+            for seq, tokens in zip(step.seqs, verified.accepted, strict=True):
+                if seq.drafts:
+                    stats.rounds += 1
+                    stats.drafted += len(seq.drafts)
+                    stats.accepted += len(tokens) - 1
+            updated = self.scheduler.accepted(step, verified.accepted)
+            for seq, tokens in zip(step.seqs, verified.accepted, strict=True):
+                running = seq.status is Status.RUNNING
+                if running and tokens is not None:
+                    counts[seq] = self.scheduler.draft_room(seq, self.draft_tokens)
+                elif running or seq.request_id in self.scheduler.held:
+                    counts[seq] = 0  # a chunk inside its prompt; a held prompt's pages move on
+        for seq in awaiting:
+            counts[seq] = self.scheduler.draft_room(seq, self.draft_tokens)
         self.runner.draft(verified, counts)
         return updated
 
@@ -213,7 +234,10 @@ class Engine:
 
     def _nothing_to_run(self) -> list[Sequence]:
         if self.model.expert_parallel:  # the peers' MoE layers exchange with this rank anyway
-            self.runner.idle()
+            if self.draft_tokens:
+                self._speculative_step(None, [])
+            else:
+                self.runner.idle()
         blocked = self.scheduler.held or self.scheduler.reserved
         if self.has_work() and not blocked:  # add() admits what fits an empty cache
             raise RuntimeError("the scheduler found nothing to run while requests wait")

@@ -19,11 +19,21 @@ host behind it, so that `read` waits for that step alone, and a token the host h
 Speculative decoding with the MTP module (`ref_server.model.speculative`) runs `verify` instead
 of `run`: the model over every new token (a sequence's newest one and its drafts) and the
 acceptance of the drafts; then, once the scheduler has taken the tokens, `draft` runs the module
-over the kept tokens' hidden states and drafts the next round's tokens. Both run eagerly.
+over the kept tokens' hidden states and drafts the next round's tokens. After a prefill step
+both run eagerly over the step's tokens; after a decode step through `SpeculativeSteps`, in its
+shapes fixed per batch size (the decode kernel over each sequence's newest token and its
+drafts), replayed from CUDA graphs with REF_SERVER_MTP_GRAPHS=1 (greedy drafting; sampled
+requests draft eagerly in the same shapes; one rank, one batch). A prefill instance's prompt
+keeps its last hidden state in its last token's page (`PagedKVCache.prompt_hidden`), where a
+decode instance's `draft` reads it after the transfer. Expert-parallel ranks plan a verify step
+as any step (a decode step's as a decode: two microbatches split between sequences or one, the
+exchanges' mode; `verify(None)` is a rank's share without sequences), and agree on the number
+of module steps (a rank that drafts fewer runs idle ones).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -35,17 +45,28 @@ from overlap_sched.gating import MODES, Thresholds, wants_overlap
 from overlap_sched.split import split_decode, split_prefill
 from ref_server.engine.expert_balancer import EplbConfig, ExpertBalancer
 from ref_server.engine.scheduler import SchedulerConfig, Step
-from ref_server.engine.sequence import Sequence, Status
+from ref_server.engine.sequence import Sequence
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_rebalance import Moved, regroup_experts
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import sample_on_device
 from ref_server.model.speculative import accept, draft
+from ref_server.model.speculative_graphs import SpeculativeSteps
 from ref_server.model.step import StepBatch
 
 TWO_BATCH_MODES = ("auto", "on", "off")
 IDLE = -1  # a rank's vote without sequences; else the index of its batch's mode in MODES
+MTP_GRAPHS = "REF_SERVER_MTP_GRAPHS"  # "1": capture speculative decoding's steps on CUDA
+
+
+def mtp_graphs_by_environment() -> bool:
+    """Whether REF_SERVER_MTP_GRAPHS asks for CUDA graphs of speculative decoding's steps: "1"
+    yes, "0" or unset no; ValueError naming the variable on anything else."""
+    value = os.environ.get(MTP_GRAPHS, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{MTP_GRAPHS} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @dataclass(frozen=True)
@@ -99,8 +120,27 @@ class VerifiedStep:
 
     step: Step
     accepted: list[list[int] | None]
-    hidden: torch.Tensor  # `[new tokens, hidden]`: the model's output hidden state of each
+    hidden: torch.Tensor  # the model's output hidden state of each new token, and padding rows
+    ends: list[int]  # where each sequence's rows end in hidden
     starts: list[int]  # each sequence's computed tokens before the step
+
+    @cached_property
+    def _places(self) -> dict[Sequence, tuple[int, int]]:
+        """Each sequence's first row in hidden, and its computed tokens before the step."""
+        step = self.step
+        return {
+            seq: (end - chunk, start)
+            for seq, chunk, end, start in zip(
+                step.seqs, step.chunks, self.ends, self.starts, strict=True
+            )
+        }
+
+    def module_input(self, seq: Sequence) -> tuple[list[int], torch.Tensor]:
+        """What the MTP module reads of a sequence of the step once the scheduler took its
+        tokens: the token after each newly kept one, and their hidden states `[kept, hidden]`."""
+        first, start = self._places[seq]
+        kept = seq.num_computed - start
+        return seq.tokens[start + 1 : start + kept + 1], self.hidden[first : first + kept]
 
 
 class ModelRunner:
@@ -113,13 +153,15 @@ class ModelRunner:
         thresholds: Thresholds | None = None,
         eplb: EplbConfig | None = None,
         prefill_graph_tokens: int = 8192,
+        draft_tokens: int = 0,
     ) -> None:
         """two_batch: "auto" (two microbatches for expert-parallel models, whose exchanges
         they overlap), "on" or "off"; thresholds: the tokens per rank below which a step runs
         one batch (default `Thresholds()`: 64 decode, 512 prefill); eplb: balance the experts
         of a model built with expert slots (`ExpertBalancer`); prefill_graph_tokens: the most
         new tokens of a one-batch prefill step replayed from `PrefillGraphs` (CUDA, one rank;
-        at most max_num_batched_tokens; 0: none)."""
+        at most max_num_batched_tokens; 0: none); draft_tokens: K of speculative decoding
+        (`verify` and `draft`; 0: none), whose steps replace decode and prefill graphs."""
         if two_batch not in TWO_BATCH_MODES:
             raise ValueError(f"two_batch must be one of {TWO_BATCH_MODES}, got {two_batch!r}")
         self.model = model
@@ -135,10 +177,26 @@ class ModelRunner:
             self.expert_parallel.use_low_latency(
                 config.max_num_seqs, model.args.num_experts_per_tok
             )
+        self.speculative = None
+        if draft_tokens:
+            graphs = mtp_graphs_by_environment()
+            if graphs and (self.expert_parallel or self.two_batch):
+                raise ValueError(
+                    f"{MTP_GRAPHS}=1 captures one rank's speculative steps as one batch: not "
+                    "with expert parallelism or two-batch overlap"
+                )
+            self.speculative = SpeculativeSteps(
+                model,
+                self.cache,
+                draft_tokens,
+                max_batch=config.max_num_seqs,
+                max_blocks=-(-config.max_model_len // config.block_size),
+                capture_graphs=graphs and self.device.type == "cuda",
+            )
         self.decode_graphs = self._capture_decode_graphs()
         self.prefill_graphs = None
         tokens = min(prefill_graph_tokens, config.max_num_batched_tokens)
-        eligible = not self.expert_parallel and not model.args.is_sparse  # see PrefillGraphs
+        eligible = not (self.expert_parallel or model.args.is_sparse or draft_tokens)
         if self.device.type == "cuda" and eligible and tokens > 0:
             self.prefill_graphs = PrefillGraphs(model, self.cache, max_tokens=tokens)
         self.expert_balancer = ExpertBalancer(model, eplb) if eplb else None
@@ -156,7 +214,9 @@ class ModelRunner:
         """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange
         goes low-latency through ep_comm's cuda backend (up to its T sequences)."""
         ep, config = self.expert_parallel, self.config
-        if self.device.type != "cuda" or (ep and not (ep.low_latency and ep.capturable)):
+        if self.device.type != "cuda" or self.speculative is not None:
+            return None
+        if ep and not (ep.low_latency and ep.capturable):
             return None
         max_batch = config.max_num_seqs
         if ep:
@@ -232,55 +292,107 @@ class ModelRunner:
         return launched
 
     @torch.no_grad()
-    def verify(self, step: Step, forced_acceptance: float | None = None) -> VerifiedStep:
-        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) and
-        accept the drafts (`accept`; forced_acceptance: its benchmark hook)."""
-        batch = self.prepare(step)
-        logits, hidden = self.model.every_row_step(batch, self.cache)
-        accepted, row = [], 0
-        for seq, chunk in zip(step.seqs, step.chunks, strict=True):
+    def verify(
+        self, step: Step | None, forced_acceptance: float | None = None
+    ) -> VerifiedStep | None:
+        """Run `step` (each decoding sequence's chunk: its newest token and its drafts) as the
+        ranks planned it (`plan`: two microbatches, the exchanges' mode) and accept the drafts
+        (`accept`; forced_acceptance: its benchmark hook). None for step None: this rank's
+        share of its peers' step, if any runs one. A runner built with draft_tokens: a decode
+        step runs through `SpeculativeSteps`, a prefill step over its tokens as they come."""
+        batch = None if step is None else self.prepare(step)
+        width = None if step is None or step.is_prefill else self.speculative.width
+        plan = self.plan(batch, width)
+        if batch is None:
+            if plan is not None:
+                schedule = plan.schedule if plan.two_batch else None
+                self.model.idle_step(self.cache, schedule, low_latency=plan.low_latency)
+            return None
+        split = self._split(batch, width is not None) if plan.two_batch else None
+        if width is None:
+            logits, hidden = self.model.every_row_step(
+                batch, self.cache, split=split, low_latency=plan.low_latency
+            )
+            ends = np.cumsum(step.chunks).tolist()
+        else:
+            logits, hidden = self.speculative.verify(batch, split, plan.low_latency)
+            ends = [(i + 1) * width for i in range(len(step.seqs))]
+        accepted, handed = [], {}
+        for seq, chunk, end in zip(step.seqs, step.chunks, ends, strict=True):
             known = chunk - len(seq.drafts)
             if seq.num_computed + known < len(seq):
                 accepted.append(None)
             else:
-                rows = logits[row + known - 1 : row + chunk]
+                rows = logits[end - len(seq.drafts) - 1 : end]
                 accepted.append(
                     accept(
                         rows, seq.drafts, seq.draft_probs, seq.params, len(seq), forced_acceptance
                     )
                 )
-            row += chunk
-        return VerifiedStep(step, accepted, hidden, [seq.num_computed for seq in step.seqs])
+                if seq.hold_pages:  # a prefill instance's prompt, for the decode instance
+                    handed[self._prompt_block(seq)] = end - len(seq.drafts) - 1
+        if handed:
+            self.cache.prompt_hidden[list(handed)] = hidden[list(handed.values())].float()
+        return VerifiedStep(step, accepted, hidden, ends, [seq.num_computed for seq in step.seqs])
+
+    def _prompt_block(self, seq: Sequence) -> int:
+        """The block of the page that holds seq's prompt's last token."""
+        return seq.block_table[(len(seq.prompt) - 1) // self.cache.page_size]
 
     @torch.no_grad()
-    def draft(self, verified: VerifiedStep, counts: dict[Sequence, int]) -> None:
-        """After the scheduler took a verified step's tokens: the MTP module reads the hidden
-        state of each running sequence's newly kept tokens with the token after each, and
-        drafts counts[seq] tokens (none for sequences not in counts) into seq.drafts."""
-        seqs, new, rows, row = [], [], [], 0
-        for seq, chunk, start in zip(
-            verified.step.seqs, verified.step.chunks, verified.starts, strict=True
-        ):
-            if seq.status is Status.RUNNING:
-                kept = seq.num_computed - start
-                seqs.append(seq)
-                new.append(seq.tokens[start + 1 : start + kept + 1])
-                rows += range(row, row + kept)
-            row += chunk
-        if not seqs:
-            return
+    def draft(self, verified: VerifiedStep | None, counts: dict[Sequence, int]) -> None:
+        """After the scheduler took a verified step's tokens: the MTP module reads, for each
+        sequence in counts, the hidden states it has not read yet with the token after each,
+        and drafts counts[seq] tokens into seq.drafts. Those are a verified sequence's newly
+        kept tokens' (from the step), or for one that awaits its first draft, its prompt's
+        last token's (from that token's page). After a decode step, or for sequences that only
+        await their first draft, the module runs through `SpeculativeSteps` (K steps, its
+        shapes), after a prefill step over the step's tokens. The ranks of an expert-parallel
+        instance run as many module steps as the one that needs the most, then check the
+        step's exchanges together (EPCommError as `run`)."""
+        decode = verified is None or not verified.step.is_prefill
+        needed = 0
+        if counts:  # one a draft, one at least
+            needed = self.speculative.draft_tokens if decode else max(1, *counts.values())
+        steps = max(vote[0] for vote in self._all_gather([needed]))
+        if counts:
+            seqs = list(counts)
+            batch, hidden = self._module_input(verified, seqs)
+            params, wanted = [s.params for s in seqs], [counts[s] for s in seqs]
+            if decode:
+                drafts, probs = self.speculative.draft(batch, hidden, params, wanted)
+            else:
+                drafts, probs = draft(self.model, self.cache, batch, hidden, params, wanted, steps)
+            for seq, tokens, q in zip(seqs, drafts, probs, strict=True):
+                seq.drafts, seq.draft_probs = tokens, q
+        else:
+            for _ in range(steps):
+                self.model.idle_step(self.cache, mtp=True)
+        self._check_exchange()
+        self._step_done()
+
+    def _module_input(self, verified: VerifiedStep | None, seqs: list[Sequence]):
+        """The module's `StepBatch` of `seqs` and the hidden states it reads `[n, hidden]`."""
+        new, hidden = [], []
+        dtype = self.model.embed_tokens.weight.dtype
+        for seq in seqs:
+            if seq.awaits_draft:
+                seq.awaits_draft = False
+                tokens = seq.tokens[seq.num_computed :]
+                states = self.cache.prompt_hidden[[self._prompt_block(seq)]].to(dtype)
+            else:
+                tokens, states = verified.module_input(seq)
+            new.append(tokens)
+            hidden.append(states)
         width = max(len(seq.block_table) for seq in seqs)
         table = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
         batch = StepBatch(
-            torch.tensor([t for n in new for t in n], device=self.device),
+            torch.tensor([t for n in new for t in n]),
             [len(n) for n in new],
             [seq.num_computed for seq in seqs],
             torch.tensor(table, dtype=torch.int32),
         )
-        params, wanted = [s.params for s in seqs], [counts.get(s, 0) for s in seqs]
-        drafts, probs = draft(self.model, self.cache, batch, verified.hidden[rows], params, wanted)
-        for seq, tokens, q in zip(seqs, drafts, probs, strict=True):
-            seq.drafts, seq.draft_probs = tokens, q
+        return batch, torch.cat(hidden)
 
     def read(self, launched: LaunchedStep) -> list[int | None]:
         """`run`'s tokens of a launched step."""
@@ -314,17 +426,21 @@ class ModelRunner:
         if self.expert_balancer:
             self.expert_balancer.step_done()
 
-    def plan(self, batch: StepBatch | None) -> StepPlan | None:
+    def plan(self, batch: StepBatch | None, s_q: int | None = None) -> StepPlan | None:
         """How every rank runs this step, from one all_gather of each rank's (mode, tokens,
-        whether it wants two microbatches); batch None: this rank has no sequences. None when
-        no rank has any. Two microbatches run only if every rank with sequences wants them in
-        the same mode; a decode graph replays when every rank decodes within the captured
-        sizes (the bucket of the largest batch)."""
+        whether it wants two microbatches); batch None: this rank has no sequences; s_q: the
+        rows a sequence of a speculative decode step brings to the decode kernel (a decode, of
+        len(seqs) * s_q tokens), None: the batch's own kind. None when no rank has any. Two
+        microbatches run only if every rank with sequences wants them in the same mode; a
+        decode graph replays when every rank decodes within the captured sizes (the bucket of
+        the largest batch)."""
         vote = [IDLE, 0, 0]
         if batch is not None:
-            mode = "decode" if batch.is_decode else "prefill"
-            wants = self.two_batch and wants_overlap(batch.num_tokens, mode, self.thresholds)
-            vote = [MODES.index(mode), batch.num_tokens, int(wants)]
+            mode = "decode" if s_q or batch.is_decode else "prefill"
+            tokens = len(batch.query_lens) * s_q if s_q else batch.num_tokens
+            wants = self.two_batch and wants_overlap(tokens, mode, self.thresholds)
+            wants = wants and not (s_q and len(batch.query_lens) == 1)  # split between sequences
+            vote = [MODES.index(mode), tokens, int(wants)]
         votes = [v for v in self._all_gather(vote) if v[0] != IDLE]
         if not votes:
             return None
@@ -348,8 +464,8 @@ class ModelRunner:
         dist.all_gather(every, mine, group=self.group)
         return torch.stack(every).tolist()
 
-    def _split(self, batch: StepBatch):
-        if batch.is_decode:
+    def _split(self, batch: StepBatch, between_sequences: bool = False):
+        if batch.is_decode or between_sequences:
             return split_decode(batch.context_lens)
         return split_prefill(batch.query_lens, batch.context_lens)
 

@@ -132,21 +132,22 @@ class Scheduler:
             self.blocks.deallocate(seq)
         return seq is not None
 
-    def reserve(self, seq: Sequence, computed: int) -> list[int]:
+    def reserve(self, seq: Sequence, computed: int, shareable: int | None = None) -> list[int]:
         """Pages for a sequence whose first `computed` tokens' KV comes from elsewhere (decode
-        role), sharing cached prefix pages; returns the indices of its pages the caller must
-        fill before `start`. QueueFull when its pages are not free or the batch is full."""
+        role), sharing cached prefix pages among those of its first `shareable` tokens (None:
+        all but its newest); returns the indices of its pages the caller must fill before
+        `start`. QueueFull when its pages are not free or the batch is full."""
         self.check_length(seq)
         if seq.request_id in self.reserved:
             raise ValueError(f"{seq.request_id} is reserved already")
         busy = len(self.running) + len(self.reserved)
         if busy >= self.config.max_num_seqs:
             raise QueueFull(f"{busy} sequences run or are being filled already")
-        if not self.blocks.can_allocate(seq):
+        if not self.blocks.can_allocate(seq, shareable):
             raise QueueFull(
                 f"not enough free KV pages for {seq.num_blocks(self.config.block_size)}"
             )
-        self.blocks.allocate(seq)
+        self.blocks.allocate(seq, shareable)
         self.reserved[seq.request_id] = seq
         first = seq.num_cached // self.config.block_size
         return list(range(first, -(-computed // self.config.block_size)))
@@ -195,8 +196,9 @@ class Scheduler:
     @staticmethod
     def _decodes(seq: Sequence) -> bool:
         """Whether a decode step takes this running sequence: not one preempted for an earlier
-        one, nor one whose last token is sampled already (pending: it ends when read)."""
-        return seq.status is Status.RUNNING and not seq.reached_max_tokens
+        one, nor one whose last token is sampled already (pending: it ends when read), nor one
+        that awaits its first draft."""
+        return seq.status is Status.RUNNING and not seq.reached_max_tokens and not seq.awaits_draft
 
     def _decode(self) -> Step | None:
         seqs = []
@@ -219,6 +221,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.deallocate(seq)
         seq.drafts, seq.draft_probs = [], []
+        seq.awaits_draft = False  # its prefill here recomputes what the module reads
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

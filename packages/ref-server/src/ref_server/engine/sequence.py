@@ -45,6 +45,9 @@ class Sequence:
     # each was drawn from (None: greedy)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list = field(default_factory=list)
+    # prefilled elsewhere and not drafted for yet: the module drafts from the prompt's last
+    # hidden state (kept in that token's page) before a step verifies this sequence
+    awaits_draft: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt:

@@ -25,19 +25,20 @@ block table is read only for positions a query sees.
 finite), and `cache_slots` turns decode's positions into the cache slots (page * page_size +
 offset) that sparse MLA reads.
 
-Implementations: the default, on any device, is plain torch in fp32, the keys in chunks so that
-no intermediate outgrows 2^26 values (`_reference_*`). On CUDA, with REF_SERVER_INDEXER_TRITON=1,
-one Triton kernel (`_logits_kernel`): a program takes a few query tokens of a sequence (up to
-128 token-heads: at V3.2's 64 heads, two) and walks its share of the key axis in tiles of 128
-keys, each tile one FP8 `tl.dot` of the keys against all the tokens' heads, then ReLU, the
-weighted sum over heads and the keys' scales. triton is imported on the first call that
-launches it. NOTES.md has its measurements.
+Implementations: plain torch in fp32 on any device, the keys in chunks so that no intermediate
+outgrows 2^26 values (`_reference_*`), and on CUDA where Triton is installed (unless
+REF_SERVER_INDEXER_TRITON=0; =1 insists on it) one Triton kernel (`_logits_kernel`): a program
+takes a few query tokens of a sequence (up to 128 token-heads: at V3.2's 64 heads, two) and walks
+its share of the key axis in tiles of 128 keys, each tile one FP8 `tl.dot` of the keys against
+all the tokens' heads, then ReLU, the weighted sum over heads and the keys' scales. triton is
+imported on the first call that launches it. NOTES.md has its measurements.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 
 import torch
@@ -53,9 +54,11 @@ TARGET_PROGRAMS = 4096  # a program walks more tiles of keys only where there ar
 
 
 def triton_by_environment() -> bool:
-    """Whether REF_SERVER_INDEXER_TRITON asks for the Triton kernel on CUDA: "1" yes, "0" or
-    unset no; ValueError naming the variable on anything else."""
-    value = os.environ.get(SWITCH, "0")
+    """Whether CUDA tensors take the Triton kernel: REF_SERVER_INDEXER_TRITON "1" yes, "0" no,
+    unset where Triton is installed; ValueError naming the variable on anything else."""
+    value = os.environ.get(SWITCH)
+    if value is None:
+        return importlib.util.find_spec("triton") is not None
     if value not in ("0", "1"):
         raise ValueError(f"{SWITCH} must be 0 or 1, got {value!r}")
     return value == "1"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ref_server.model.args import PRESETS, ModelArgs
-from ref_server.model.cache import PagedKVCache, cache_bytes_per_token
+from ref_server.model.cache import PagedKVCache, cache_bytes_per_token, cache_page_bytes
 from ref_server.model.checkpoint import (
     CheckpointError,
     init_random,
@@ -209,6 +209,7 @@ __all__ = [
     "SamplingParams",
     "StepBatch",
     "cache_bytes_per_token",
+    "cache_page_bytes",
     "from_preset",
     "from_pretrained",
 ]

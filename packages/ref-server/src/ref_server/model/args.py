@@ -166,22 +166,25 @@ class ModelArgs:
         return 2 * (self.num_parameters(active=True) - self.vocab_size * self.hidden_size) * tokens
 
     def prefill_flops(self, new: int, cached: int = 0) -> float:
-        """FLOPs of computing `new` tokens after `cached` ones: the matmuls, and attention over
-        each new token's context (scores and values): on the decompressed heads, or in a sparse
-        model over the index_topk tokens its indexer picks, in the absorbed form its kernels
-        compute (scores over the latent and rope key, values over the latent), plus the
-        indexer's scores of every token of the context (its heads' dot products)."""
+        """FLOPs of computing `new` tokens after `cached` ones: the matmuls and attention."""
+        return self.matmul_flops(new) + self.attention_flops(new, cached)
+
+    def attention_flops(self, new: int, cached: int = 0, absorbed: bool = False) -> float:
+        """FLOPs of the attention of `new` tokens after `cached` ones, all layers: scores and
+        values over each new token's context, on the decompressed heads, or `absorbed` (as
+        decode's kernels compute it) with scores over the latent and rope key and values over
+        the latent. A sparse model attends absorbed (`absorbed` is moot) over the index_topk
+        tokens its indexer picks, and its indexer scores every token of the context (its
+        heads' dot products)."""
         layers = self.num_hidden_layers
-        pairs = _attended_pairs(new, cached)
+        pairs = attended_pairs(new, cached)
+        absorbed_width = self.cache_width + self.kv_lora_rank
         if not self.is_sparse:
-            width = self.qk_head_dim + self.v_head_dim
-            attention = 2 * layers * self.num_attention_heads * width * pairs
-            return self.matmul_flops(new) + attention
-        width = self.cache_width + self.kv_lora_rank
-        picked = _attended_pairs(new, cached, self.index_topk)
-        attention = 2 * layers * self.num_attention_heads * width * picked
-        indexer = 2 * layers * self.index_n_heads * self.index_head_dim * pairs
-        return self.matmul_flops(new) + attention + indexer
+            width = absorbed_width if absorbed else self.qk_head_dim + self.v_head_dim
+            return 2 * layers * self.num_attention_heads * width * pairs
+        picked = attended_pairs(new, cached, self.index_topk)
+        attention = 2 * layers * self.num_attention_heads * absorbed_width * picked
+        return attention + 2 * layers * self.index_n_heads * self.index_head_dim * pairs
 
     def expert_parameters(self) -> int:
         return 3 * self.hidden_size * self.moe_intermediate_size
@@ -272,13 +275,13 @@ class ModelArgs:
         return cls(**values)
 
 
-def _attended_pairs(new: int, cached: int, limit: int | None = None) -> float:
+def attended_pairs(new: int, cached: int, limit: int | None = None) -> float:
     """(query, key) pairs of `new` tokens after `cached` ones, each token seeing its context
     (itself included), or at most `limit` tokens of it."""
     if limit is None:
         return new * cached + new * (new + 1) / 2
     whole = max(0, min(new, limit - cached))  # the first ones, whose whole context fits
-    return _attended_pairs(whole, cached) + (new - whole) * limit
+    return attended_pairs(whole, cached) + (new - whole) * limit
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:

@@ -48,14 +48,15 @@ class DecodeAttention:
     dtypes: tuple[torch.dtype, ...] | None = None
 
     def schedule(self, cache_seqlens: torch.Tensor, heads: int):
-        """The split-KV schedule of a decode step (one query token, one KV head): both the
-        first API's (tile_scheduler_metadata, num_splits) and FlashMLA 1.0's (an object it fills
-        at the first `attend`, and None) pass on to `attend` as they are."""
+        """The split-KV schedule of a decode step (one KV head; heads: query rows per sequence,
+        s_q times the model's heads): both the first API's (tile_scheduler_metadata,
+        num_splits) and FlashMLA 1.0's (an object it fills at the first `attend`, and None)
+        pass on to `attend` as they are."""
         return self.module.get_mla_metadata(cache_seqlens, heads, 1)
 
     def attend(self, q, cache, block_table, cache_seqlens, schedule, head_dim_v, softmax_scale):
-        """q `[b, 1, heads, 576]` in the cache's dtype over each sequence's cached tokens:
-        `[b, 1, heads, head_dim_v]`."""
+        """q `[b, s_q, heads, 576]` in the cache's dtype over each sequence's cached tokens,
+        query s over the first cache_seqlens - s_q + s + 1: `[b, s_q, heads, head_dim_v]`."""
         out, _ = self.module.flash_mla_with_kvcache(
             q, cache, block_table, cache_seqlens, head_dim_v, *schedule,
             softmax_scale=softmax_scale, causal=True, **self.options,
@@ -207,10 +208,12 @@ class Attention(nn.Module):
     def _sparse(self, q, cache, index_keys, step, index_q, index_weights):
         """Absorbed queries q `[n, heads, 576]` over the latent rows their indexer picks."""
         a = self.args
-        tables = step.block_table
-        if not step.is_decode:  # each new token's sequence's row
+        tables = step.block_table  # to each new token's sequence's row
+        if not step.is_decode:
             lens = step.cu_seqlens_q.diff()
             tables = tables.repeat_interleave(lens, dim=0, output_size=step.num_tokens)
+        elif step.s_q > 1:
+            tables = tables.repeat_interleave(step.s_q, dim=0)
         slots = indexer_topk(
             index_q, index_weights, index_keys, tables, step.positions, a.index_topk
         )
@@ -326,10 +329,10 @@ class Attention(nn.Module):
         """Attention over the latent cache, then values through kv_b's value half."""
         a = self.args
         out = self.decode.attend(
-            q.unsqueeze(1), cache, step.block_table, step.cache_seqlens, schedule,
-            a.kv_lora_rank, a.softmax_scale,
+            q.unflatten(0, (-1, step.s_q)), cache, step.block_table, step.cache_seqlens,
+            schedule, a.kv_lora_rank, a.softmax_scale,
         )  # fmt: skip
-        return self._values(out.squeeze(1))
+        return self._values(out.flatten(0, 1))
 
     def _values(self, out: torch.Tensor) -> torch.Tensor:
         """Absorbed attention's output `[n, heads, kv_lora_rank]` through kv_b's value half:

@@ -7,7 +7,10 @@ manager, or `generate`'s contiguous allocation), given as a block table. A DeepS
 model's layers also cache their lightning indexer's key of each token (`IndexKeys`), in a
 tensor of their own with the same pages and slots: a page is its block in every tensor that
 `PagedKVCache.page_tensors` lists, and moves between caches as those blocks' bytes. A model
-with an MTP module (`ref_server.model.mtp`) has one more layer here, after its own.
+with an MTP module (`ref_server.model.mtp`) has one more layer here, after its own, and a row
+per page for the model's output hidden state of a prompt's last token (`prompt_hidden`): the
+module's first draft reads it, so it moves with the pages from a prefill instance to a decode
+instance.
 """
 
 from __future__ import annotations
@@ -67,6 +70,15 @@ def cache_bytes_per_token(
     return (args.num_hidden_layers + args.num_nextn_predict_layers) * per_layer
 
 
+def cache_page_bytes(
+    args: ModelArgs, page_size: int, dtype: torch.dtype = torch.bfloat16, index_dtype=FP8
+) -> int:
+    """What one page of a `PagedKVCache` of these dtypes holds: its tokens' rows and, with an
+    MTP module, the page's float32 `prompt_hidden` row."""
+    hidden = args.hidden_size * torch.float32.itemsize if args.num_nextn_predict_layers else 0
+    return page_size * cache_bytes_per_token(args, dtype, index_dtype) + hidden
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -105,6 +117,13 @@ class PagedKVCache:
             else None
             for _ in range(num_layers)
         ]
+        # In float32, which holds a bf16 or float32 model's hidden state exactly: instances on
+        # any device agree on a page's bytes.
+        self.prompt_hidden = (
+            torch.zeros(num_blocks + 1, args.hidden_size, device=device)
+            if args.num_nextn_predict_layers
+            else None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -117,14 +136,30 @@ class PagedKVCache:
     @property
     def page_tensors(self) -> list[torch.Tensor]:
         """Every tensor that holds pages, indexed by block first: each layer's latent rows,
-        then, in a sparse model, each layer's index keys and their scales."""
+        then, in a sparse model, each layer's index keys and their scales, then, with an MTP
+        module, `prompt_hidden`."""
         keys = [k for k in self.index_keys if k is not None]
-        return self.layers + [k.values for k in keys] + [k.scales for k in keys]
+        hidden = [] if self.prompt_hidden is None else [self.prompt_hidden]
+        return self.layers + [k.values for k in keys] + [k.scales for k in keys] + hidden
 
     @property
     def page_bytes(self) -> int:
         """The bytes of one page (one block of every page tensor)."""
         return sum(t[0].nbytes for t in self.page_tensors)
+
+    @property
+    def page_contents(self) -> str:
+        """What a page holds, in words (for errors about pages that do not fit here)."""
+        parts = [f"{len(self.layers)} layers' latent rows"]
+        if self.index_keys[0] is not None:
+            parts.append("their index keys and scales")
+        if self.prompt_hidden is not None:
+            parts[0] += " (the MTP module's last)"
+            parts.append(
+                f"the {self.prompt_hidden.shape[1]} float32 values of a prompt's last hidden "
+                "state, which the MTP module's first draft reads"
+            )
+        return f"{self.page_bytes} bytes: " + ", ".join(parts)
 
     def read_page(self, block: int) -> torch.Tensor:
         """Block `block` of every page tensor in turn, as bytes: `[page_bytes]` uint8 (CPU)."""

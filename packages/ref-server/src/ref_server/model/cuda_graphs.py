@@ -32,6 +32,54 @@ def buckets(max_batch: int) -> list[int]:
     return small + list(range(16, max_batch, 16)) + [max_batch]
 
 
+def capture(run, device: torch.device, pool=None):
+    """A CUDA graph of `run()` on `device` (in the memory pool `pool`, None: a new one) and what
+    it returns, run once eagerly before, so that lazy initializations (cuBLAS workspaces, rope
+    tables) stay outside the graph."""
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need the cache on a CUDA device, not {device}")
+    with torch.no_grad():
+        run()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            out = run()
+    return graph, out
+
+
+class StaticBlockTable:
+    """The block table `[rows, max_blocks]` int32 (`tensor`) that a captured step reads, filled
+    for each replay; on CUDA from a step's table on the host through a pinned mirror, in one
+    asynchronous copy. Rows not filled yet hold the padding block."""
+
+    def __init__(self, rows: int, max_blocks: int, padding_block: int, device) -> None:
+        self.padding_block = padding_block
+        self.tensor = torch.full(
+            (rows, max_blocks), padding_block, dtype=torch.int32, device=device
+        )
+        self._host = None
+        if self.tensor.is_cuda:  # a call's rows, contiguous, for one asynchronous copy
+            self._host = torch.empty(rows * max_blocks, dtype=torch.int32).pin_memory()
+            self._copied = torch.cuda.Event()  # the last copy out of _host
+
+    def fill(self, n: int, size: int, table: torch.Tensor) -> None:
+        """Rows :n from `table` `[n, width]` (CPU or device), rows n:size the padding block.
+        Entries past a sequence's blocks are never read: stale ones from earlier calls stay."""
+        width, pad = table.shape[1], self.padding_block
+        static = self.tensor[:size, :width]
+        if self._host is None or table.device.type != "cpu":
+            static[n:] = pad
+            static[:n] = table
+            return
+        self._copied.synchronize()
+        staged = self._host[: size * width].view(size, width)
+        rows = staged.numpy()  # numpy's writes skip torch's dispatch, the host's step time
+        rows[:n] = table.numpy()
+        rows[n:] = pad
+        static.copy_(staged, non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(static.device))
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -45,8 +93,6 @@ class DecodeGraphs:
         """max_blocks: the widest block table a batch may bring (default: the whole cache).
         two_batch_from: the smallest bucket captured as two microbatches (None: none).
         batch_sizes: the buckets to capture instead of `buckets(max_batch)`."""
-        if cache.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need the cache on a CUDA device, not {cache.device}")
         expert_parallel = model.expert_parallel
         if expert_parallel and not expert_parallel.capturable:
             raise ValueError(
@@ -70,12 +116,7 @@ class DecodeGraphs:
         device = cache.device
         # Every bucket's graph reads prefixes of these; `__call__` fills them.
         self.inputs = StaticInputs(max_batch, device, pad * cache.page_size)
-        self.block_table = torch.full(
-            (max_batch, self.max_blocks), pad, dtype=torch.int32, device=device
-        )
-        # a call's rows of the block table, contiguous, for one asynchronous copy
-        self._host_table = torch.empty(max_batch * self.max_blocks, dtype=torch.int32).pin_memory()
-        self._table_copied = torch.cuda.Event()  # the last copy out of _host_table
+        self.block_table = StaticBlockTable(max_batch, self.max_blocks, pad, device)
         self.two_batch = {
             b: two_batch_from is not None and b >= max(two_batch_from, 2) for b in self.buckets
         }
@@ -97,14 +138,8 @@ class DecodeGraphs:
                     low_latency=self.low_latency,
                 )
 
-            with torch.no_grad():
-                run()  # lazy initializations (cuBLAS workspaces, rope tables) stay outside
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
-                    self.logits[b] = run()
-            pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[b], self.logits[b] = capture(run, device, pool)
+            pool = self.graphs[b].pool()
 
     def step_inputs(self, bucket: int) -> list:
         """What the bucket's graph reads: `run_step`'s (input_ids, StepMetadata) per microbatch
@@ -118,7 +153,7 @@ class DecodeGraphs:
                 StepMetadata.decode(
                     inputs.positions[r],
                     inputs.slot_mapping[r],
-                    self.block_table[r],
+                    self.block_table.tensor[r],
                     inputs.real_rows[r],
                 ),
             )
@@ -147,32 +182,14 @@ class DecodeGraphs:
             raise ValueError(f"bucket {bucket} is not a captured size of at least {b}")
         page = self.cache.page_size
         self.inputs.fill(b, bucket, batch.input_ids, batch.positions, batch.slot_mapping(page))
-        self._fill_block_table(b, bucket, batch.block_table)
+        self.block_table.fill(b, bucket, batch.block_table)
         self.graphs[bucket].replay()
         return self.logits[bucket][:b]
-
-    def _fill_block_table(self, b: int, bucket: int, table: torch.Tensor) -> None:
-        """Rows :b of the static block table from `table` `[b, width]` (CPU or device), rows
-        b:bucket the padding block. Entries past a sequence's blocks are never read: stale ones
-        from earlier calls stay."""
-        width, pad = table.shape[1], self.cache.padding_block
-        static = self.block_table[:bucket, :width]
-        if table.device.type != "cpu":
-            static[b:] = pad
-            static[:b] = table
-            return
-        self._table_copied.synchronize()
-        staged = self._host_table[: bucket * width].view(bucket, width)
-        rows = staged.numpy()  # numpy's writes skip torch's dispatch, the host's step time
-        rows[:b] = table.numpy()
-        rows[b:] = pad
-        static.copy_(staged, non_blocking=True)
-        self._table_copied.record(torch.cuda.current_stream(static.device))
 
     def idle(self, bucket: int) -> None:
         """Replay `bucket` with padding rows only: an expert-parallel rank without sequences
         while its peers replay that bucket."""
         nothing = torch.zeros(0, dtype=torch.long)
         self.inputs.fill(0, bucket, nothing, nothing, nothing)
-        self.block_table[:bucket] = self.cache.padding_block
+        self.block_table.tensor[:bucket] = self.cache.padding_block
         self.graphs[bucket].replay()

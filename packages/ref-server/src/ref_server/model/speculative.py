@@ -122,15 +122,19 @@ def draft(
     hidden: torch.Tensor,
     params: list[SamplingParams],
     counts: list[int],
+    steps: int = 0,
 ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
     """Drafts for each sequence of `batch` and the q of each. hidden `[n, hidden]`: the model's
     output hidden states of the tokens whose KV the module has not seen yet, each sequence's
     up to the one before its newest; batch: the token after each of those (so its newest
     last); counts: drafts per sequence (0 to MAX_DRAFT_TOKENS). Writes the module's KV of those
-    tokens, and of each draft but the last."""
+    tokens, and of each draft but the last. steps: the module's steps to run in all, where
+    more than the drafts take (one a draft, one at least): an expert-parallel rank runs as
+    many as its peer that drafts the most, the ones past its own idle (their experts' share)."""
     drafts = [[] for _ in counts]
     probs = [[] for _ in counts]
     logits, hidden = model.every_row_step(batch, cache, hidden)
+    ran = 1  # module steps
     rows = [s for s, n in enumerate(counts) if n]
     last = torch.tensor(batch.query_lens).cumsum(0)[rows] - 1
     logits, hidden = logits[last], hidden[last]
@@ -144,6 +148,7 @@ def draft(
                 batch.block_table[rows],
             )
             logits, hidden = model.every_row_step(step, cache, hidden)
+            ran += 1
         for i, s in enumerate(rows):
             token, q = propose(logits[i], params[s], context[s] + 1)
             drafts[s].append(token)
@@ -151,6 +156,8 @@ def draft(
             context[s] += 1
         going = [i for i, s in enumerate(rows) if len(drafts[s]) < counts[s]]
         rows, hidden = [rows[i] for i in going], hidden[going]
+    for _ in range(steps - ran):
+        model.idle_step(cache, mtp=True)
     return drafts, probs
 
 

@@ -28,9 +28,9 @@ FIELDS = {
 
 class StaticInputs:
     """input_ids, positions, slot_mapping `[rows]` int64 and real_rows `[rows]` bool on
-    `device` (CUDA; the CPU too, for tests); before the first `fill`, every row is padding:
-    token 0 at position 0 in `pad_slot` (a cache row that only padding writes and reads), not
-    real."""
+    `device` (CUDA; the CPU too, where the same steps run eagerly); before the first `fill`,
+    every row is padding: token 0 at position 0 in `pad_slot` (a cache row that only padding
+    writes and reads), not real."""
 
     def __init__(self, rows: int, device: torch.device, pad_slot: int) -> None:
         self.rows, self.pad_slot = rows, pad_slot
@@ -51,10 +51,11 @@ class StaticInputs:
         self._device.copy_(self._host)
         self._copied = torch.cuda.Event() if cuda else None  # the last copy out of the mirror
 
-    def fill(self, n: int, size: int, input_ids, positions, slot_mapping) -> None:
-        """Rows :n from the step (each a `[n]` tensor on the CPU or on the device), rows
-        n:size padding. Ordered on the current stream before what follows (a graph's replay);
-        the host waits only for the previous fill's copy, before it rewrites the mirror."""
+    def fill(self, n: int, size: int, input_ids, positions, slot_mapping, real_rows=True) -> None:
+        """Rows :n from the step (each a `[n]` tensor on the CPU or on the device, or a numpy
+        array; real_rows `[n]` bool, or True: every one), rows n:size padding. Ordered on the
+        current stream before what follows (a graph's replay); the host waits only for the
+        previous fill's copy, before it rewrites the mirror."""
         if not 0 <= n <= size <= self.rows:
             raise ValueError(f"need 0 <= n ({n}) <= size ({size}) <= {self.rows} rows")
         if self._copied is not None:
@@ -65,7 +66,7 @@ class StaticInputs:
             ("input_ids", input_ids, 0),
             ("positions", positions, 0),
             ("slot_mapping", slot_mapping, self.pad_slot),
-            ("real_rows", True, False),
+            ("real_rows", real_rows, False),
         ):
             if isinstance(values, torch.Tensor) and values.device.type != "cpu":
                 on_device.append((getattr(self, name), values))

@@ -160,7 +160,8 @@ def _to_device(tensors: dict[str, torch.Tensor], device) -> dict[str, torch.Tens
 class StepMetadata:
     """What every layer of one cached step (or microbatch) shares, on the cache's device.
 
-    is_decode: the batch's `StepBatch.is_decode`.
+    is_decode: attention through the decode kernel, absorbed over the latent cache: the
+    batch's `StepBatch.is_decode`, or `decode`'s s_q tokens a sequence.
     positions, slot_mapping: `[n]` int64, each new token's position and cache row.
     block_table: `[b, max_blocks]` int32.
     last_rows: `[b]` int64, the rows whose logits the step returns; None: every row (decode).
@@ -169,7 +170,9 @@ class StepMetadata:
     - context_rows: `[sum(context_lens)]` int64, the cache rows of every sequence's context;
     - cu_seqlens_q, cu_seqlens_k: `[b + 1]` int32, where each sequence's new tokens and its
       context start in the flattened rows (0, then the running sums of the lengths).
-    A decode's cache_seqlens `[b]` int32, each sequence's cached tokens after the step.
+    A decode's cache_seqlens `[b]` int32, each sequence's cached tokens after the step, and
+    s_q, its new tokens per sequence (n = b * s_q; more than 1 in speculative decoding's verify
+    step: a sequence's newest token and its drafts, attending causally among themselves).
     real_rows: `[n]` bool, the rows that are tokens (a CUDA graph's padding rows are not);
     None: every row.
     """
@@ -186,6 +189,7 @@ class StepMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     cache_seqlens: torch.Tensor | None = None
     real_rows: torch.Tensor | None = None
+    s_q: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -200,14 +204,16 @@ class StepMetadata:
         return max(self.context_lens)
 
     @classmethod
-    def decode(cls, positions, slot_mapping, block_table, real_rows=None) -> StepMetadata:
-        """One new token per sequence, from device tensors alone (so a CUDA graph can capture
-        it): each sequence's cache then holds its token's position + 1 tokens."""
+    def decode(cls, positions, slot_mapping, block_table, real_rows=None, s_q=1) -> StepMetadata:
+        """s_q new tokens per sequence (rows i * s_q .. (i + 1) * s_q - 1 are sequence i's),
+        from device tensors alone (so a CUDA graph can capture it): each sequence's cache then
+        holds its last row's position + 1 tokens."""
         return cls(
             is_decode=True,
             positions=positions,
             slot_mapping=slot_mapping,
             block_table=block_table,
-            cache_seqlens=(positions + 1).int(),
+            cache_seqlens=(positions[s_q - 1 :: s_q] + 1).int(),
             real_rows=real_rows,
+            s_q=s_q,
         )

@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         state.rotation = self.rope(step.positions, x.dtype)
         state.hidden = x
         if step.is_decode:
-            heads = self.args.num_attention_heads
+            heads = self.args.num_attention_heads * step.s_q
             state.decode_schedule = self.kernels.decode_attention.schedule(
                 step.cache_seqlens, heads
             )
@@ -250,22 +250,44 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def every_row_step(
-        self, batch: StepBatch, cache: PagedKVCache, previous_hidden: torch.Tensor | None = None
+        self,
+        batch: StepBatch,
+        cache: PagedKVCache,
+        previous_hidden: torch.Tensor | None = None,
+        split=None,
+        low_latency: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits `[n, vocab]` float32 and output hidden states `[n, hidden]` of every new token
         of `batch` (speculative decoding: a verify step, and the MTP module's drafts): the
         model's, or with previous_hidden `[n, hidden]` the MTP module's, which reads
-        batch.input_ids as the tokens after those previous_hidden belong to."""
-        schedule = "decode" if batch.is_decode else "prefill"
-        step = batch.metadata(cache, every_row=True)
-        state = self._state(batch.input_ids.to(cache.device), step, 0, False)
+        batch.input_ids as the tokens after those previous_hidden belong to. split and
+        low_latency as `forward_step`'s (the model's step only: the module's runs as one
+        batch, its exchanges in the normal mode)."""
+        parts = [batch] if split is None else batch.split(split)
+        inputs = [(p.input_ids.to(cache.device), p.metadata(cache, every_row=True)) for p in parts]
+        return self.every_row(inputs, cache, previous_hidden, low_latency)
+
+    @torch.no_grad()
+    def every_row(
+        self,
+        inputs,
+        cache: PagedKVCache,
+        previous_hidden: torch.Tensor | None = None,
+        low_latency: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`every_row_step` on device tensors alone (what `SpeculativeSteps` captures): inputs,
+        one (input_ids `[n]`, StepMetadata whose last_rows is None) pair per microbatch, one or
+        two (one with previous_hidden)."""
+        states = [self._state(ids, step, 0, low_latency) for ids, step in inputs]
+        schedule = "decode" if inputs[0][1].is_decode else "prefill"
         if previous_hidden is None:
             ops = self.operations(cache, schedule)
         else:
             ops = self.mtp_operations(cache, schedule)
+            (state,) = states
             state.previous_hidden = previous_hidden
-        run(ops, state)
-        return state.logits, state.output_hidden
+        self._run(ops, schedule, states)
+        return torch.cat([s.logits for s in states]), torch.cat([s.output_hidden for s in states])
 
     @torch.no_grad()
     def run_step(
@@ -283,7 +305,7 @@ class Transformer(nn.Module):
         recorder: an `overlap_sched.Recorder` that times every op; low_latency: exchange through
         ep_comm's low-latency mode (decode)."""
         states = [self._state(ids, step, num_worst_tokens, low_latency) for ids, step in inputs]
-        self._run(cache, schedule, states, recorder)
+        self._run(self.operations(cache, schedule), schedule, states, recorder)
         logits = [s.logits for s in states]
         return logits[0] if len(logits) == 1 else torch.cat(logits)
 
@@ -293,17 +315,21 @@ class Transformer(nn.Module):
         schedule: str | None = None,
         num_worst_tokens: int = 0,
         low_latency: bool = False,
+        mtp: bool = False,
     ):
         """What an expert-parallel rank without tokens runs while its peers step: every MoE
         layer's exchange with no rows of its own, so its experts serve the peers' tokens;
         schedule: the peers' two-microbatch schedule, None when they run one batch;
-        low_latency: whether their exchanges go through the low-latency mode."""
+        low_latency: whether their exchanges go through the low-latency mode; mtp: the peers
+        step the MTP module (one batch, `every_row_step`)."""
         count = 1 if schedule is None else 2
         states = [self._state(None, None, num_worst_tokens, low_latency) for _ in range(count)]
-        self._run(cache, schedule or "prefill", states)
+        schedule = schedule or "prefill"
+        ops = self.mtp_operations(cache, schedule) if mtp else self.operations(cache, schedule)
+        self._run(ops, schedule, states)
 
-    def _run(self, cache: PagedKVCache, schedule: str, states: list[State], recorder=None):
-        ops = self.operations(cache, schedule)
+    @staticmethod
+    def _run(ops: list, schedule: str, states: list[State], recorder=None):
         if len(states) == 1:
             run(ops, states[0], recorder)
         else:

@@ -9,17 +9,23 @@ not imported here) and `ref-server repro` runs both (`ref_server.repro.run`). Ev
     phase = PhaseProjection(point, Device("cuda", "NVIDIA H200"), times, communication,
                             imbalance.PERFECT, measured_step=step)
     Reproduction(phase, decode_phase).to_json()
+
+A decode phase may carry its KV length, its attention's work (`AttentionWork`) and MTP
+(`Speculation`); `SideBySide` sets reproductions of several slices or kernel sets in columns.
 """
 
 from ref_server.repro import communication, imbalance, published, schedule, shapes
 from ref_server.repro.comparison import Comparison, comparisons, margin
 from ref_server.repro.projection import (
+    AttentionWork,
     Communication,
     LayerTimes,
     PhaseProjection,
+    Speculation,
     implied_step_time,
+    projected_verify,
 )
-from ref_server.repro.report import CAVEATS, Reproduction
+from ref_server.repro.report import CAVEATS, Reproduction, SideBySide, tables
 from ref_server.repro.shapes import (
     DECODE_EP144,
     PREFILL_EP32,
@@ -35,6 +41,7 @@ __all__ = [
     "CPU_LABEL",
     "DECODE_EP144",
     "PREFILL_EP32",
+    "AttentionWork",
     "Communication",
     "Comparison",
     "Device",
@@ -44,6 +51,8 @@ __all__ = [
     "PhaseProjection",
     "RankWork",
     "Reproduction",
+    "SideBySide",
+    "Speculation",
     "Term",
     "V3Dims",
     "communication",
@@ -53,7 +62,9 @@ __all__ = [
     "implied_step_time",
     "margin",
     "per_rank_work",
+    "projected_verify",
     "published",
     "schedule",
     "shapes",
+    "tables",
 ]

@@ -18,7 +18,8 @@ from ref_server.repro.terms import CPU_LABEL, Term, derived
 SATURATION, DAY_AVERAGE = "saturation", "day average"
 NOT_LIKE = "a 24-hour average over varying load against our saturation figure: not like with like"
 
-# phase -> (our throughput row: 0 computed / output, -1 incl. cache hits), reference, kind, caveat
+# phase -> (our throughput row: 0 computed / output without MTP, -1 incl. cache hits / output
+# with MTP where it is on), reference, kind, caveat
 REFERENCES = {
     "prefill": [
         (0, published.PROFILE_PREFILL_PER_NODE, SATURATION, "H800, perfectly balanced routing"),
@@ -30,19 +31,19 @@ REFERENCES = {
     ],
     "decode": [
         (
-            0,
+            -1,
             published.PROFILE_DECODE_PER_NODE,
             SATURATION,
-            "H800, balanced routing; SGLang implies it includes MTP, ours none",
+            "H800, balanced routing, KV 4,096; SGLang implies it includes MTP",
         ),
-        (0, published.SGLANG_DECODE_PER_NODE, SATURATION, "96 x H100, 256 requests a GPU"),
         (
             0,
-            published.SGLANG_DECODE_MTP_PER_NODE,
+            published.SGLANG_DECODE_PER_NODE,
             SATURATION,
-            "96 x H100, simulated MTP, ours none",
+            "96 x H100, 2K inputs, 256 requests a GPU",
         ),
-        (0, published.DAY6_DECODE_PER_NODE, DAY_AVERAGE, f"H800; {NOT_LIKE}"),
+        (-1, published.SGLANG_DECODE_MTP_PER_NODE, SATURATION, "96 x H100, simulated MTP, KV 4K"),
+        (-1, published.DAY6_DECODE_PER_NODE, DAY_AVERAGE, f"H800; {NOT_LIKE}"),
     ],
 }
 
@@ -80,10 +81,18 @@ def comparisons(projection: PhaseProjection) -> list[Comparison]:
         caveat += "ours an upper bound; "
     if projection.balancedness.value != 1:
         caveat += f"ours at balancedness {projection.balancedness.value:.3g}; "
+    if projection.kv_length is not None:
+        caveat += f"ours at KV {projection.kv_length.value:,.0f}; "
     return [
-        Comparison(ours[row], reference, kind, caveat + text)
+        Comparison(ours[row], reference, kind, caveat + _mtp(ours[row], phase) + text)
         for row, reference, kind, text in REFERENCES[phase]
     ]
+
+
+def _mtp(ours: Term, phase: str) -> str:
+    if phase == "prefill":
+        return ""
+    return "ours with MTP; " if "mtp" in ours.name else "ours without MTP; "
 
 
 def margin(prefill: Term, decode: Term, gpu_hour_usd: Term = published.GPU_HOUR_USD) -> list[Term]:

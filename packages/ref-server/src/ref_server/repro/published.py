@@ -20,6 +20,7 @@ PROFILE = "deepseek-ai/profile-data@4496024 settings"
 SGLANG = "LMSYS blog 2025-05-05, SGLang large-scale EP on 96 x H100"
 DEEPEP_LL = "DeepEP README@567632d, H800 + CX7 IB, 128 tokens, H 7168, top-8"
 DEEPEP_NORMAL = "DeepEP README, H800 + CX7 IB, 4096 tokens, H 7168, top-8"
+V3_REPORT = "DeepSeek-V3 technical report, arXiv 2412.19437, section 5.4.3"
 
 
 def _term(name: str, value: float, unit: str, note: str) -> Term:
@@ -49,6 +50,21 @@ DAY6_DECODE_PER_NODE = _term(
 )
 DAY6_MEAN_KV_LENGTH = _term(
     "day6_mean_kv_length", 4_989, "tok", f"mean KV length per output token; {DAY6}"
+)
+
+# DeepSeek-V3's MTP module: one draft token a round.
+MTP_ACCEPTANCE = _term(
+    "mtp_acceptance",
+    0.85,
+    "1",
+    f"the second token's acceptance rate, 85-90 % across generation topics: its lower end; "
+    f"{V3_REPORT}",
+)
+MTP_DRAFTS = _term(
+    "mtp_drafts", 1, "tok", f"one MTP module, predicting one more token; {V3_REPORT}"
+)
+MTP_DECODE_SPEEDUP = _term(
+    "mtp_decode_speedup", 1.8, "1", f"decoding speed (TPS) with MTP over without; {V3_REPORT}"
 )
 
 # The operating points of profile-data (simulated with perfectly balanced routing).

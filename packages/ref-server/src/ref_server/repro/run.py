@@ -1,23 +1,35 @@
-"""`ref-server repro`: both phases' V3-shaped slices measured on the device at hand
-(`slices.measure`), projected per node (`PhaseProjection`), compared and priced
-(`Reproduction`); a table, JSON or a PNG.
+"""`ref-server repro`: both phases' V3- or V3.2-shaped slices measured on the device at hand
+(`slices.measure`), decode at one or more KV lengths and, with MTP, its verify step, projected
+per node (`PhaseProjection`), compared and priced (`Reproduction`); a table, JSON or a PNG.
 
 What is measured and what is not: each part of a layer's compute for one microbatch is
 measured; dispatch and combine are DeepEP's published H800 + InfiniBand figures scaled to the
 layout's bytes (`communication`); balancedness is EPLB's over synthetic Zipf loads (assumed),
 or perfect with zipf 0; no two-batch step is measured (the slice has no peers to exchange
 with), so the projection stands on the ideal overlap, an upper bound, and no figure of it is a
-GPU figure yet (`PhaseProjection.gpu_figure` refuses). See docs/reproduction.md.
+GPU figure yet (`PhaseProjection.gpu_figure` refuses). With MTP the acceptance rate is an input
+(published or assumed), the verify step is measured where the model attends absorbed over the
+latent cache at several new tokens a request (V3.2's sparse attention) and projected from the
+decode step elsewhere, and the module's drafts are projected from the decode step's MoE layer.
+See docs/reproduction.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from ref_server.model.speculative import check_draft_tokens
 from ref_server.repro import communication, imbalance, published, slices
-from ref_server.repro.projection import Communication, PhaseProjection
+from ref_server.repro.projection import (
+    AttentionWork,
+    Communication,
+    PhaseProjection,
+    Speculation,
+    projected_verify,
+)
 from ref_server.repro.report import Reproduction
 from ref_server.repro.shapes import DECODE_EP144, PREFILL_EP32, OperatingPoint, V3Dims
 from ref_server.repro.terms import Term, derived
@@ -35,21 +47,47 @@ CPU_SCALE = "PREFILL_EP32's / DECODE_EP144's ranks and slots with fewer tokens: 
 
 @dataclass(frozen=True)
 class Layout:
-    """What one slice runs: the two operating points and the prompt (and decode KV) length."""
+    """What one slice runs: the two operating points, the prompt length and decode's KV length
+    unless one is given."""
 
     prefill: OperatingPoint
     decode: OperatingPoint
     prompt: int
+    kv_length: int
 
 
-LAYOUTS = {
-    "v3": Layout(PREFILL_EP32, DECODE_EP144, slices.PROMPT),
-    "tiny": Layout(
-        OperatingPoint("prefill", 32, 256, source="assumed", note=CPU_SCALE),
-        OperatingPoint("decode", 144, 32, source="assumed", note=CPU_SCALE),
-        prompt=64,
-    ),
-}
+V3_LAYOUT = Layout(
+    PREFILL_EP32, DECODE_EP144, slices.PROMPT, int(published.DAY6_MEAN_KV_LENGTH.value)
+)
+TINY_LAYOUT = Layout(
+    OperatingPoint("prefill", 32, 256, source="assumed", note=CPU_SCALE),
+    OperatingPoint("decode", 144, 32, source="assumed", note=CPU_SCALE),
+    prompt=64,
+    kv_length=64,
+)
+LAYOUTS = {"v3": V3_LAYOUT, "v3.2": V3_LAYOUT, "tiny": TINY_LAYOUT, "v3.2-tiny": TINY_LAYOUT}
+
+
+def kv_length_term(tokens: int) -> Term:
+    """Decode's KV length: day 6's published mean, or a length the caller chose."""
+    if tokens == published.DAY6_MEAN_KV_LENGTH.value:
+        return published.DAY6_MEAN_KV_LENGTH
+    return Term("decode_kv_length", tokens, "tok", "assumed", "a KV length given to the run")
+
+
+def mtp_terms(acceptance: float, drafts: int) -> tuple[Term, Term]:
+    """MTP's acceptance rate and drafts a round: published (DeepSeek-V3's) where they are its,
+    else given to the run."""
+    check_draft_tokens(drafts)
+    given = "given to the run"
+    if acceptance == published.MTP_ACCEPTANCE.value:
+        rate = published.MTP_ACCEPTANCE
+    else:
+        rate = Term("mtp_acceptance", acceptance, "1", "assumed", f"a draft's acceptance, {given}")
+    if drafts == published.MTP_DRAFTS.value:
+        return rate, published.MTP_DRAFTS
+    note = f"drafts a round, {given}; each accepted at the rate of the first (assumed)"
+    return rate, Term("mtp_drafts", drafts, "tok", "assumed", note)
 
 
 def phase_communication(point: OperatingPoint, dims: V3Dims) -> Communication:
@@ -119,30 +157,96 @@ def reproduce(
     zipf: float = 1.0,
     seed: int = 0,
     kernels: str = "ours",
-) -> Reproduction:
+    kv_lengths: list[int] | None = None,
+    mtp_acceptance: float | None = None,
+    mtp_drafts: int = 1,
+) -> list[Reproduction]:
     """Both phases of the named slice measured on `device` through `kernels` (the model's:
-    `ref_server.kernel_choice`) and projected."""
+    `ref_server.kernel_choice`) and projected: one reproduction a decode KV length (default:
+    the layout's), the prefill measured once. mtp_acceptance: decode with MTP, its drafts each
+    accepted at this rate, `mtp_drafts` a round; None: without."""
     if slice_name not in LAYOUTS:
         raise ValueError(f"unknown slice {slice_name!r}; slices: {', '.join(LAYOUTS)}")
+    if any(tokens < 2 for tokens in kv_lengths or []):
+        raise ValueError(f"decode KV lengths must be >= 2 tokens, got {kv_lengths}")
     layout = LAYOUTS[slice_name]
     args = slices.slice_args(slice_name)
     dims = slices.dims_of(args)
-    phases = {}
-    for point in (layout.prefill, layout.decode):
-        times, where = slices.measure(
-            point, slice_name, device, weight_dtype, reps, layout.prompt, kernels
+    mtp = None if mtp_acceptance is None else mtp_terms(mtp_acceptance, mtp_drafts)
+
+    def measure(point: OperatingPoint, context: int, query_len: int = 1) -> slices.Measurement:
+        return slices.measure(
+            point, slice_name, device, weight_dtype, reps, context, kernels, query_len
         )
-        phases[point.phase] = PhaseProjection(
+
+    def project(point, measured, kv_length=None, speculation=None) -> PhaseProjection:
+        return PhaseProjection(
             point,
-            where,
-            times,
+            measured.device,
+            measured.times,
             phase_communication(point, dims),
             balancedness(point, dims, args.n_group, zipf, seed),
             dims=dims,
+            kv_length=kv_length,
+            attention=attention_work(point, measured, kv_length),
+            speculation=speculation,
         )
+
+    prefill = project(layout.prefill, measure(layout.prefill, layout.prompt))
     weights = decode_weights(slice_name, layout.decode, weight_dtype or "bf16")
-    return Reproduction(
-        phases["prefill"], phases["decode"], decode_weights_per_gpu=weights, kernels=kernels
+    runs = []
+    for tokens in kv_lengths or [layout.kv_length]:
+        measured = measure(layout.decode, tokens)
+        speculation = None
+        if mtp is not None:
+            acceptance, drafts = mtp
+            verify = verify_point(layout.decode, drafts)
+            if args.is_sparse:
+                times = measure(verify, tokens, query_len=int(drafts.value) + 1).times
+            else:
+                times = projected_verify(measured.times, drafts)
+            speculation = Speculation(acceptance, drafts, times, phase_communication(verify, dims))
+        decode = project(layout.decode, measured, kv_length_term(tokens), speculation)
+        runs.append(
+            Reproduction(
+                prefill, decode, decode_weights_per_gpu=weights, kernels=kernels, model=slice_name
+            )
+        )
+    return runs
+
+
+def verify_point(decode: OperatingPoint, drafts: Term) -> OperatingPoint:
+    """MTP's verify step at `decode`'s requests: drafts + 1 tokens a request. The slice measures
+    it where the model attends over the latent cache at several new tokens a request as at one
+    (a sparse model); a dense model's verify step runs as a chunk of prefill, which decompresses
+    each request's whole context, not as the absorbed verify step DeepSeek runs: its parts are
+    `projected_verify`'s."""
+    tokens = int(drafts.value) + 1
+    return dataclasses.replace(
+        decode,
+        tokens_per_gpu=decode.tokens_per_gpu * tokens,
+        note=f"{decode.note}; a verify step of {tokens} tokens a request",
+    )
+
+
+def attention_work(
+    point: OperatingPoint, measured: slices.Measurement, kv_length: Term | None
+) -> AttentionWork:
+    inputs = [point.tokens_term(), *([kv_length] if kv_length else [])]
+    note = (
+        f"one microbatch, one layer of rank 0 of {point.phase} EP{point.gpus}, as the slice ran "
+        "it: ModelArgs.attention_flops"
+    )
+    return AttentionWork(
+        derived(f"{point.phase}_attention_flops", measured.attention_flops, "FLOP", inputs, note),
+        derived(
+            f"{point.phase}_attention_kv_bytes",
+            measured.attention_kv_bytes,
+            "B",
+            inputs,
+            "the cache bytes the attention reads at least once, one microbatch, one layer: each "
+            "context's rows, or in V3.2 each query's picked rows and its context's index keys",
+        ),
     )
 
 
@@ -203,4 +307,6 @@ def draw(reproduction: Reproduction, path: str) -> None:
 def _counted(name: str) -> str:
     if "incl_cache_hits" in name:
         return "incl. cache hits"
+    if "mtp" in name:
+        return "output with MTP"
     return "computed" if name.startswith("prefill") else "output"

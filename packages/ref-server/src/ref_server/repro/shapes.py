@@ -12,14 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ref_server.repro import published
-from ref_server.repro.terms import Term, derived
+from ref_server.repro.terms import Term, derived, positive
 
 PHASES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
 class V3Dims:
-    """The DeepSeek-V3 dimensions the per-rank work depends on; names as in `ModelArgs`."""
+    """The DeepSeek-V3 dimensions the per-rank work depends on; names as in `ModelArgs`
+    (index_topk: DeepSeek-V3.2's sparse attention, None for V3's dense one)."""
 
     hidden_size: int = 7168
     num_hidden_layers: int = 61
@@ -29,6 +30,8 @@ class V3Dims:
     num_experts_per_tok: int = 8
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
+    index_topk: int | None = None
+    index_head_dim: int = 128
 
     @property
     def num_moe_layers(self) -> int:
@@ -47,11 +50,13 @@ class V3Dims:
 
     def kv_bytes_per_token_per_layer(self, fp8: bool) -> int:
         """The latent cache row: FP8 (512 e4m3 values, an fp32 scale per 128, 64 bf16 rope
-        values: 656 B) or BF16 (576 values: 1,152 B)."""
+        values: 656 B) or BF16 (576 values: 1,152 B); in V3.2 beside it the indexer's key,
+        e4m3 with an fp32 scale as DeepSeek keeps it (132 B)."""
+        index_key = self.index_head_dim + 4 if self.index_topk is not None else 0
         if fp8:
             latent = self.kv_lora_rank + self.kv_lora_rank // 128 * 4
-            return latent + 2 * self.qk_rope_head_dim
-        return 2 * (self.kv_lora_rank + self.qk_rope_head_dim)
+            return latent + 2 * self.qk_rope_head_dim + index_key
+        return 2 * (self.kv_lora_rank + self.qk_rope_head_dim) + index_key
 
 
 V3 = V3Dims()
@@ -177,16 +182,27 @@ def kv_cache_bytes(dims: V3Dims, requests: int, kv_length: float, fp8: bool) -> 
     return requests * kv_length * per_token
 
 
-def memory_check(weights: Term, kv_cache: Term, capacity: Term) -> Term:
-    """HBM left over on one GPU (negative: it does not fit), bytes."""
+def memory_check(weights: Term, kv_cache: Term, capacity: Term, requests: Term) -> list[Term]:
+    """HBM left over on one GPU (negative: it does not fit), bytes, and how many of the
+    `requests` whose cache `kv_cache` is would fit beside the weights."""
     for term in (weights, kv_cache, capacity):
         if term.unit != "B":
             raise ValueError(f"{term.name} must be in bytes (B), got {term.unit!r}")
+    positive(requests)
     left = capacity.value - weights.value - kv_cache.value
-    return derived(
-        "hbm_left",
-        left,
-        "B",
-        [weights, kv_cache, capacity],
-        f"{capacity.name} - {weights.name} - {kv_cache.name}",
-    )
+    per_request = kv_cache.value / requests.value
+    fitting = max(0, (capacity.value - weights.value) // per_request)
+    inputs = [weights, kv_cache, capacity]
+    return [
+        derived(
+            "hbm_left", left, "B", inputs, f"{capacity.name} - {weights.name} - {kv_cache.name}"
+        ),
+        derived(
+            "decode_requests_that_fit",
+            fitting,
+            "request",
+            [*inputs, requests],
+            f"({capacity.name} - {weights.name}) / ({kv_cache.name} / {requests.name}), rounded "
+            "down",
+        ),
+    ]

@@ -1,16 +1,19 @@
 """DeepSeek-V3-shaped slices on the device at hand: one GPU's per-part times (`LayerTimes`) at a
 phase's layout, through the model's own op list, timed by overlap_sched's `Recorder`.
 
-A slice is one dense and one MoE layer of DeepSeek-V3 (`--slice v3`) or of a V3-shaped model
-small enough for a CPU (`--slice tiny`: V3's routing, 256 experts top-8, tiny widths), built
+A slice is one dense and one MoE layer of DeepSeek-V3 (`--slice v3`), of DeepSeek-V3.2
+(`--slice v3.2`: V3 with the lightning indexer and sparse attention over its top 2,048 tokens)
+or of a V3-shaped model small enough for a CPU (`--slice tiny`: V3's routing, 256 experts top-8,
+tiny widths; `--slice v3.2-tiny`: the same with an indexer of 4 heads picking 8 tokens), built
 as rank 0 of the layout: its MoE layer holds the expert slots one GPU holds (prefill EP32: 9 of
 288; decode EP144: 2). `LayoutExchange` stands in for the other ranks: its dispatch hands the
 experts the rows perfectly even routing sends one GPU (`per_rank_work`, copies of the
 microbatch's own tokens, each slot the same count), its combine hands one row a token back.
 Nothing crosses a wire, so dispatch and combine cost nothing here; the projection takes their
 times from `communication`. Prefill runs the normal mode's ops on prompts of the layout's
-length; decode runs the low-latency mode's (FP8 rows with FP8 experts) over a cache of that
-many tokens a request.
+length; decode runs the low-latency mode's (FP8 rows with FP8 experts) over a context of the
+given KV length a request, one new token each or, for MTP's verify step, the newest token and
+its drafts (the model's own verify: a chunk of new tokens a request, every row's logits).
 
 Each op's time is CUDA events around it on the compute stream (the host's clock on the CPU),
 over eager steps, the median of `reps` steps after two untimed ones. On CUDA the host runs
@@ -31,10 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+import mla_kernels
 import ref_server.model as M
 from overlap_sched import Recorder
 from ref_server.kernels.fp8_cast import quantize_activations
+from ref_server.kernels.indexer import triton_by_environment
 from ref_server.model import StepBatch
+from ref_server.model.args import attended_pairs
 from ref_server.model.expert_parallel import Dispatched, Packed
 from ref_server.model.sampling import SamplingParams, sample
 from ref_server.repro.projection import LayerTimes
@@ -42,12 +48,18 @@ from ref_server.repro.schedule import OPS_OF_ITEM
 from ref_server.repro.shapes import OperatingPoint, V3Dims, per_rank_work
 from ref_server.repro.terms import Device
 
-PROMPT = 4096  # profile-data's prompts (and decode's KV length): 4K
-# The tiny preset's widths with V3's routing: 256 experts, top-8 from 4 of 8 groups.
+PROMPT = 4096  # profile-data's prompts: 4K
+# The tiny preset's widths with V3's routing: 256 experts, top-8 from 4 of 8 groups; its V3.2
+# twin has the v3.2-tiny preset's indexer.
 TINY = dataclasses.replace(
     M.PRESETS["tiny"], n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4
 )
-SLICES = {"v3": M.PRESETS["v3"], "tiny": TINY}
+SLICES = {
+    "v3": M.PRESETS["v3"],
+    "v3.2": M.PRESETS["v3.2"],
+    "tiny": TINY,
+    "v3.2-tiny": dataclasses.replace(TINY, index_topk=8, index_n_heads=4),
+}
 
 
 def slice_args(name: str) -> M.ModelArgs:
@@ -66,6 +78,8 @@ def dims_of(args: M.ModelArgs) -> V3Dims:
         num_experts_per_tok=args.num_experts_per_tok,
         kv_lora_rank=args.kv_lora_rank,
         qk_rope_head_dim=args.qk_rope_head_dim,
+        index_topk=args.index_topk,
+        index_head_dim=args.index_head_dim,
     )
 
 
@@ -129,14 +143,16 @@ class Slice:
         args,
         device,
         weight_dtype=None,
-        prompt: int = PROMPT,
+        context: int = PROMPT,
         seed: int = 0,
         kernels: str = "ours",
+        query_len: int = 1,
     ):
-        """Rank 0 of `point`: for prefill, a microbatch of prompts of `prompt` tokens (the
+        """Rank 0 of `point`: for prefill, a microbatch of prompts of `context` tokens (the
         microbatch's tokens, at most one partial prompt); for decode, a microbatch of requests
-        each with `prompt` tokens cached. kernels: the model's (`ref_server.kernel_choice`;
-        the exchange is `LayoutExchange`'s whatever they are)."""
+        whose first new token attends `context` tokens, `query_len` new tokens each (1: a
+        decode step; drafts + 1: a verify step). kernels: the model's
+        (`ref_server.kernel_choice`; the exchange is `LayoutExchange`'s whatever they are)."""
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         exchange = LayoutExchange(point, args)
         model = M.from_args(
@@ -152,10 +168,13 @@ class Slice:
         tokens = point.tokens_per_gpu // point.microbatches
         page = 64
         if point.phase == "prefill":
-            lens = [prompt] * (tokens // prompt) + ([tokens % prompt] if tokens % prompt else [])
+            lens = [context] * (tokens // context) + (
+                [tokens % context] if tokens % context else []
+            )
             queries, contexts = lens, lens
         else:
-            queries, contexts = [1] * tokens, [prompt + 1] * tokens
+            requests = tokens // query_len
+            queries, contexts = [query_len] * requests, [context + query_len - 1] * requests
         pages = [-(-c // page) for c in contexts]
         cache = M.PagedKVCache(args, sum(pages), page, torch.bfloat16, device)
         table = torch.zeros(len(pages), max(pages), dtype=torch.int32)
@@ -167,6 +186,36 @@ class Slice:
         ids = torch.randint(2, args.vocab_size, (sum(queries),), generator=g).to(device)
         return cls(model, cache, StepBatch(ids, queries, contexts, table))
 
+    def attention_work(self) -> tuple[float, float]:
+        """One layer's attention over the microbatch as the model runs it: FLOPs
+        (`ModelArgs.attention_flops`, absorbed where it attends over the latent cache: decode,
+        and every step of a sparse model) and the cache bytes it reads at least once (each
+        sequence's context rows or, sparse, each query's picked rows and every index key of
+        its sequence's context)."""
+        args, batch, cache = self.model.args, self.batch, self.cache
+        lens = list(zip(batch.query_lens, batch.context_lens, strict=True))
+        absorbed = batch.is_decode or args.is_sparse
+        flops = sum(args.attention_flops(q, c - q, absorbed) for q, c in lens)
+        latent_row = cache.layers[0][0, 0].nbytes
+        if not args.is_sparse:
+            return flops / args.num_hidden_layers, sum(batch.context_lens) * latent_row
+        picked = sum(attended_pairs(q, c - q, args.index_topk) for q, c in lens)
+        keys = cache.index_keys[0]
+        index_row = keys.values[0, 0].nbytes + keys.scales[0, 0].nbytes
+        read = picked * latent_row + sum(batch.context_lens) * index_row
+        return flops / args.num_hidden_layers, read
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A slice's measured parts, where they were measured, and its attention's work
+    (`Slice.attention_work`)."""
+
+    times: LayerTimes
+    device: Device
+    attention_flops: float
+    attention_kv_bytes: float
+
 
 def measure(
     point: OperatingPoint,
@@ -174,20 +223,26 @@ def measure(
     device: str,
     weight_dtype: str | None = None,
     reps: int = 5,
-    prompt: int = PROMPT,
+    context: int = PROMPT,
     kernels: str = "ours",
-) -> tuple[LayerTimes, Device]:
+    query_len: int = 1,
+) -> Measurement:
     """One microbatch's per-part times of `point` on `device` through `kernels` (see module
-    docstring)."""
+    docstring); context and query_len as `Slice.build`'s."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     args = slice_args(slice_name)
     where = torch.device(device)
-    part = Slice.build(point, args, where, weight_dtype, prompt, kernels=kernels)
+    part = Slice.build(
+        point, args, where, weight_dtype, context, kernels=kernels, query_len=query_len
+    )
     model, batch = part.model, part.batch
     schedule = point.phase
-    inputs = [(batch.input_ids, batch.metadata(part.cache))]
-    params = [SamplingParams(temperature=0.8, seed=0)] * len(batch.query_lens)
+    every_row = query_len > 1
+    inputs = [(batch.input_ids, batch.metadata(part.cache, every_row=every_row))]
+    # the sampler draws a token for each row of logits, at the position it would take
+    positions = (batch.positions + 1).tolist() if every_row else batch.context_lens
+    params = [SamplingParams(temperature=0.8, seed=0)] * len(positions)
     steps, ahead = [], HostAhead(where)
     with torch.no_grad():
         for rep in range(reps + 2):
@@ -201,20 +256,43 @@ def measure(
                     low_latency=point.phase == "decode",
                 )
             seconds = _op_seconds(recorder)
-            seconds["sampling"] = _timed(where, sample, logits, params, batch.context_lens)
+            seconds["sampling"] = _timed(where, sample, logits, params, positions)
             if rep >= 2:
                 steps.append(seconds)
                 ahead.count()
     medians = {name: statistics.median(step[name] for step in steps) for name in steps[0]}
     gpu = torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
+    requests = len(batch.query_lens)
+    if point.phase == "prefill":
+        shape = f"{batch.num_tokens} tokens a microbatch in prompts of {context:,}"
+    elif every_row:
+        shape = (
+            f"a verify step: {requests} requests a microbatch of {query_len} new tokens each "
+            f"after {context - 1:,}"
+        )
+    else:
+        shape = f"{requests} requests a microbatch at KV {context:,}"
     run = (
         f"{slice_name} slice (hidden {args.hidden_size}), rank 0 of {point.phase} "
-        f"EP{point.gpus}, {point.tokens_per_gpu // point.microbatches} tokens a microbatch, "
+        f"EP{point.gpus}, {shape}, "
         f"{weight_dtype or ('bf16' if where.type == 'cuda' else 'float32')} weights, "
         f"median of {reps} eager steps on {gpu}{ahead.note()}; kernels "
-        f"{model.kernels.describe()}"
+        f"{model.kernels.describe()}{_sparse_kernels(args, where)}"
     )
-    return LayerTimes.measured(run, **_items(medians)), Device(where.type, gpu)
+    flops, kv_bytes = part.attention_work()
+    times = LayerTimes.measured(run, **_items(medians))
+    return Measurement(times, Device(where.type, gpu), flops, kv_bytes)
+
+
+def _sparse_kernels(args: M.ModelArgs, device: torch.device) -> str:
+    """What V3.2's attention ran through: the sparse MLA backend and the indexer's logits."""
+    if not args.is_sparse:
+        return ""
+    indexer = "Triton" if device.type == "cuda" and triton_by_environment() else "torch reference"
+    return (
+        f", sparse attention through mla_kernels' {mla_kernels.sparse_backend(device)} backend, "
+        f"indexer logits through its {indexer}"
+    )
 
 
 class HostAhead:

@@ -110,8 +110,7 @@ class ServeConfig:
     speculative: str = _setting(
         "off",
         "speculative decoding: mtp drafts tokens with the model's MTP module (a checkpoint's, or "
-        "a preset's random one) and verifies them in one step (one rank, no EPLB, steps not "
-        "overlapped)",
+        "a preset's random one) and verifies them in one step (no EPLB, steps not overlapped)",
     )
     draft_tokens: int = _setting(
         1, f"tokens the MTP module drafts a step with --speculative mtp (1-{MAX_DRAFT_TOKENS})"
@@ -356,8 +355,8 @@ class ServeConfig:
         if self.speculative == "off":
             return []
         problems = []
-        if self.ranks > 1 or self.eplb_interval or self.redundant_experts:
-            problems.append("speculative mtp needs instances of one rank without EPLB")
+        if self.eplb_interval or self.redundant_experts:
+            problems.append("speculative mtp does not balance experts (EPLB, redundant experts)")
         if self.overlap_steps == "on":
             problems.append("speculative mtp does not overlap steps (overlap_steps on)")
         return problems

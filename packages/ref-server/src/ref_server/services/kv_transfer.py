@@ -84,6 +84,31 @@ def new_cache_id() -> str:
     return uuid.uuid4().hex
 
 
+def check_page_tensors(cache: PagedKVCache, sizes: list[int]) -> None:
+    """ValueError, saying what a page holds here, unless a prefill instance's page tensors
+    (`sizes`: the bytes of each one's block) are those of `cache`: another model's pages, or
+    pages without the prompt's last hidden state an MTP module's first draft reads."""
+    if sizes != [t[0].nbytes for t in cache.page_tensors]:
+        raise ValueError(
+            f"the prefill instance's pages hold {sum(sizes)} bytes in {len(sizes)} tensors, "
+            f"not this instance's {cache.page_contents}"
+        )
+
+
+def nixl_targets(cache: PagedKVCache, located: pb.KvBlocks, targets, num_pages: int) -> Pages:
+    """The NIXL descriptors of the targets' pages (index, block) among a prefill instance's
+    `located` ones; ValueError unless they are pages of `cache`."""
+    if len(located.blocks) != num_pages or not located.nixl_pages.rows:
+        raise ValueError(f"{len(located.blocks)} pages located, {num_pages} were prefilled")
+    rows = np.frombuffer(located.nixl_pages.rows, dtype="<i8")
+    if rows.size % (3 * num_pages):
+        raise ValueError(f"{rows.size / 3:g} page descriptors for {num_pages} pages")
+    rows = rows.reshape(-1, num_pages, 3)
+    check_page_tensors(cache, rows[:, 0, 1].tolist())
+    wanted = rows[:, [index for index, _ in targets]]
+    return Pages(located.nixl_pages.kind, np.ascontiguousarray(wanted).tobytes())
+
+
 def shared_cache(cache: PagedKVCache, cache_id: str) -> pb.SharedCache:
     """The prefill side: IPC handles of each page tensor (`PagedKVCache.page_tensors`; none
     for a cache in host memory)."""
@@ -162,7 +187,6 @@ class KvPuller:
         self.runner = runner
         self.secret = secret
         self.method = method
-        self.page_shape = (runner.cache.page_bytes,)
         self.peers: dict[str, grpc.aio.Channel] = {}
         self.pulling: Counter[grpc.aio.Channel] = Counter()  # pulls under way on each channel
         self.mapped: dict[str, tuple[str, list[torch.Tensor]] | None] = {}  # None: not shareable
@@ -325,17 +349,7 @@ class KvPuller:
             if self._current(link):
                 self.nixl_peers.pop(link.address, None)
             return None, "the prefill instance restarted"
-        if len(located.blocks) != num_pages or not located.nixl_pages.rows:
-            raise ValueError(f"{len(located.blocks)} pages located, {num_pages} were prefilled")
-
-        rows = np.frombuffer(located.nixl_pages.rows, dtype="<i8")
-        tensors = len(self.runner.cache.page_tensors)
-        if rows.size != tensors * num_pages * 3:
-            raise ValueError(
-                f"{rows.size // 3} page descriptors for {tensors} page tensors x {num_pages} pages"
-            )
-        wanted = rows.reshape(tensors, num_pages, 3)[:, [index for index, _ in targets]]
-        pages = Pages(located.nixl_pages.kind, np.ascontiguousarray(wanted).tobytes())
+        pages = nixl_targets(self.runner.cache, located, targets, num_pages)
         blocks = [block for _, block in targets]
         try:
             await asyncio.to_thread(self.nixl.read, peer.agent, pages, blocks, TRANSFER_TIMEOUT)
@@ -432,8 +446,14 @@ class KvPuller:
 
     def _write(self, messages: list[pb.KvPage], blocks: dict[int, int]) -> None:
         """Check each page and write those that have a block."""
+        cache = self.runner.cache
         for message in messages:
-            page = page_tensor(message, self.page_shape)
+            if len(message.data) != cache.page_bytes:
+                raise ValueError(
+                    f"page {message.index} holds {len(message.data)} bytes, not this "
+                    f"instance's {cache.page_contents}"
+                )
+            page = page_tensor(message, (cache.page_bytes,))
             if message.index in blocks:
                 self.runner.write_page(blocks[message.index], page)
         if self.runner.device.type == "cuda":
@@ -459,10 +479,9 @@ class KvPuller:
     def _copy_blocks(self, mapped: list[torch.Tensor], source: list[int], target: list[int]):
         """Blocks `source` of the prefill cache's page tensors into blocks `target` of ours."""
         cache = self.runner.cache
+        check_page_tensors(cache, [t[0].nbytes for t in mapped])
         src = torch.tensor(source, device=mapped[0].device)
         dst = torch.tensor(target, device=cache.device)
-        if len(mapped) != len(cache.page_tensors):
-            raise ValueError(f"{len(mapped)} shared page tensors, {len(cache.page_tensors)} here")
         for theirs, ours in zip(mapped, cache.page_tensors, strict=True):
             ours.index_copy_(0, dst, theirs.index_select(0, src).to(cache.device))
         for device in {mapped[0].device, cache.device}:  # done before the lease is checked

@@ -227,7 +227,7 @@ def model_facts(config: ServeConfig) -> tuple[ModelFacts, object]:
         num_parameters=args.num_parameters(),
         eos_token_ids=[] if args.eos_token_id is None else [args.eos_token_id],
         page_size=config.block_size,
-        page_bytes=config.block_size * M.cache_bytes_per_token(args),
+        page_bytes=M.cache_page_bytes(args, config.block_size),
     )
     return facts, tokenizer
 
@@ -344,6 +344,7 @@ async def run_instance(
         max_running=config.max_num_seqs,
         rank=config.rank,
         ranks=config.ranks,
+        speculative=engine.draft_tokens > 0,
     )
     server = grpc_server(config, [secret_gate(secret)])
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
@@ -394,7 +395,11 @@ async def run_router(config: ServeConfig, secret: str, stop=None) -> None:
 
     args = model_args(config)
     expected = Expected(
-        model_fingerprint(config), args.num_hidden_layers, config.block_size, args.cache_width
+        model_fingerprint(config),
+        args.num_hidden_layers,
+        config.block_size,
+        args.cache_width,
+        speculative=config.speculative == "mtp",
     )
     pool = WorkerPool(
         config.prefill,

@@ -5,7 +5,8 @@ Every `interval` seconds the pool checks each instance's health and reads its lo
 each, in parallel, off the request path). An instance is dropped after `failures` checks or
 calls in a row fail and taken back at the first good check. When it comes back it is
 registered again: it says what it runs (`InstanceInfo`), which must agree with the router and
-the other instances (model, layers, page size, cache width and dtype), and a decode instance
+the other instances (model, layers, page size, cache width and dtype, whether it drafts with
+the MTP module), and a decode instance
 learns the healthy prefill instances, the only peers it will pull KV from (and drops what it
 kept of any other): every check round tells it, and a decode instance is routed to only while
 that succeeds, so it always knows the prefill instances it is sent requests from.
@@ -48,6 +49,8 @@ class Expected:
     num_layers: int
     page_size: int
     cache_width: int
+    # a decode instance that drafts needs the hidden state a prefill instance that drafts hands over
+    speculative: bool = False
 
     def problem(self, info: pb.InstanceInfo, cache_dtype: str | None) -> str:
         """Why an instance that says `info` cannot serve with the others ("" if it can)."""
@@ -59,6 +62,7 @@ class Expected:
                 ("page_size", self.page_size),
                 ("cache_width", self.cache_width),
                 ("cache_dtype", cache_dtype or info.cache_dtype),
+                ("speculative", self.speculative),
             )
             if getattr(info, name) != want
         ]

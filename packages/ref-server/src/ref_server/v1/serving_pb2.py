@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bref_server/v1/serving.proto\x12\rref_server.v1\"\xd1\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"c\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.CompleteH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.ref_server.v1.ErrorH\x00\x42\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x16\n\x0enum_parameters\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\x16\n\x14GetServerInfoRequest\"s\n\nWorkerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.ref_server.v1.WorkerLoad\x12\x0f\n\x07problem\x18\x05 \x01(\t\"Z\n\nServerInfo\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.ref_server.v1.WorkerInfo\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\"\xaa\x02\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x03\x12\x14\n\x0cqueued_flops\x18\x05 \x01(\x01\x12\x0c\n\x04held\x18\x06 \x01(\x05\x12\x15\n\rmapped_caches\x18\x07 \x01(\x05\x12\x19\n\x11\x65xpert_rebalances\x18\x08 \x01(\x03\x12\x1a\n\x12\x65xpert_bytes_moved\x18\t \x01(\x03\x12\x1d\n\x15\x64raft_acceptance_rate\x18\n \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_length\x18\x0b \x01(\x01\x12\r\n\x05ranks\x18\x0c \x01(\x05\x12\x18\n\x10\x63onfigured_ranks\x18\r \x01(\x05\"\x10\n\x0eGetLoadRequest\",\n\x0fRegisterRequest\x12\x19\n\x11prefill_addresses\x18\x01 \x03(\t\"\xc9\x01\n\x0cInstanceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_width\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x07 \x01(\t\x12\x13\n\x0bmax_running\x18\x08 \x01(\x05\x12\x0c\n\x04rank\x18\t \x01(\x05\x12\r\n\x05ranks\x18\n \x01(\x05\")\n\x12PrefixMatchRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\"+\n\x13PrefixMatchResponse\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x01 \x01(\x05\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\"\xae\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\"4\n\x0bPullRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nnixl_pages\x18\x02 \x01(\x08\"V\n\x06KvPage\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x11\n\tkv_handle\x18\x04 \x01(\t\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\"!\n\x11ShareCacheRequest\x12\x0c\n\x04nixl\x18\x01 \x01(\x08\"\x91\x02\n\rCudaIpcTensor\x12\x0c\n\x04size\x18\x01 \x03(\x03\x12\x0e\n\x06stride\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x12\x0e\n\x06handle\x18\x06 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x07 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\t \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\n \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x0b \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0c \x01(\x08\"\x8f\x01\n\x0bSharedCache\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12,\n\x06layers\x18\x03 \x03(\x0b\x32\x1c.ref_server.v1.CudaIpcTensor\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x18\n\x10nixl_unavailable\x18\x05 \x01(\t\"\'\n\tNixlPages\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\"q\n\x08KvBlocks\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12,\n\nnixl_pages\x18\x04 \x01(\x0b\x32\x18.ref_server.v1.NixlPages\"#\n\x0eReleaseRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x11\n\tkv_handle\x18\x06 \x01(\t\x12\x11\n\tnum_pages\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\"\x8d\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12\x34\n\x0bkv_transfer\x18\x03 \x01(\x0e\x32\x1f.ref_server.v1.KvTransferMethod*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x91\x01\n\x10KvTransferMethod\x12\"\n\x1eKV_TRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_TRANSFER_METHOD_GRPC\x10\x01\x12\x1f\n\x1bKV_TRANSFER_METHOD_CUDA_IPC\x10\x02\x12\x1b\n\x17KV_TRANSFER_METHOD_NIXL\x10\x03\x32\xba\x02\n\x06Router\x12M\n\x08Generate\x12\x1e.ref_server.v1.GenerateRequest\x1a\x1f.ref_server.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.ref_server.v1.AbortRequest\x1a\x1c.ref_server.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".ref_server.v1.GetModelInfoRequest\x1a\x18.ref_server.v1.ModelInfo\x12O\n\rGetServerInfo\x12#.ref_server.v1.GetServerInfoRequest\x1a\x19.ref_server.v1.ServerInfo2\x98\x01\n\x08Instance\x12G\n\x08Register\x12\x1e.ref_server.v1.RegisterRequest\x1a\x1b.ref_server.v1.InstanceInfo\x12\x43\n\x07GetLoad\x12\x1d.ref_server.v1.GetLoadRequest\x1a\x19.ref_server.v1.WorkerLoad2\xa9\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.ref_server.v1.PrefillRequest\x1a\x1e.ref_server.v1.PrefillResponse\x12T\n\x0bPrefixMatch\x12!.ref_server.v1.PrefixMatchRequest\x1a\".ref_server.v1.PrefixMatchResponse2\x9e\x02\n\nKvTransfer\x12;\n\x04Pull\x12\x1a.ref_server.v1.PullRequest\x1a\x15.ref_server.v1.KvPage0\x01\x12H\n\x07Release\x12\x1d.ref_server.v1.ReleaseRequest\x1a\x1e.ref_server.v1.ReleaseResponse\x12J\n\nShareCache\x12 .ref_server.v1.ShareCacheRequest\x1a\x1a.ref_server.v1.SharedCache\x12=\n\x06Locate\x12\x1a.ref_server.v1.PullRequest\x1a\x17.ref_server.v1.KvBlocks2Q\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.ref_server.v1.DecodeRequest\x1a\x1d.ref_server.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bref_server/v1/serving.proto\x12\rref_server.v1\"\xd1\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParamsB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"c\n\x08\x43omplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.ref_server.v1.ChunkH\x00\x12+\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x17.ref_server.v1.CompleteH\x00\x12%\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x14.ref_server.v1.ErrorH\x00\x42\t\n\x07payload\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x87\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x16\n\x0enum_parameters\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\x16\n\x14GetServerInfoRequest\"s\n\nWorkerInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x19.ref_server.v1.WorkerLoad\x12\x0f\n\x07problem\x18\x05 \x01(\t\"Z\n\nServerInfo\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.ref_server.v1.WorkerInfo\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\"\xaa\x02\n\nWorkerLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rqueued_tokens\x18\x04 \x01(\x03\x12\x14\n\x0cqueued_flops\x18\x05 \x01(\x01\x12\x0c\n\x04held\x18\x06 \x01(\x05\x12\x15\n\rmapped_caches\x18\x07 \x01(\x05\x12\x19\n\x11\x65xpert_rebalances\x18\x08 \x01(\x03\x12\x1a\n\x12\x65xpert_bytes_moved\x18\t \x01(\x03\x12\x1d\n\x15\x64raft_acceptance_rate\x18\n \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65pted_length\x18\x0b \x01(\x01\x12\r\n\x05ranks\x18\x0c \x01(\x05\x12\x18\n\x10\x63onfigured_ranks\x18\r \x01(\x05\"\x10\n\x0eGetLoadRequest\",\n\x0fRegisterRequest\x12\x19\n\x11prefill_addresses\x18\x01 \x03(\t\"\xde\x01\n\x0cInstanceInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_width\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x07 \x01(\t\x12\x13\n\x0bmax_running\x18\x08 \x01(\x05\x12\x0c\n\x04rank\x18\t \x01(\x05\x12\r\n\x05ranks\x18\n \x01(\x05\x12\x13\n\x0bspeculative\x18\x0b \x01(\x08\")\n\x12PrefixMatchRequest\x12\x13\n\x0bpage_hashes\x18\x01 \x03(\x0c\"+\n\x13PrefixMatchResponse\x12\x14\n\x0c\x63\x61\x63hed_pages\x18\x01 \x01(\x05\"|\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\x0c\"\xae\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_handle\x18\x03 \x01(\t\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12\x15\n\rlease_seconds\x18\x06 \x01(\x01\"4\n\x0bPullRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\x12\x12\n\nnixl_pages\x18\x02 \x01(\x08\"V\n\x06KvPage\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x11\n\tkv_handle\x18\x04 \x01(\t\x12\r\n\x05\x63rc32\x18\x05 \x01(\x07\"!\n\x11ShareCacheRequest\x12\x0c\n\x04nixl\x18\x01 \x01(\x08\"\x91\x02\n\rCudaIpcTensor\x12\x0c\n\x04size\x18\x01 \x03(\x03\x12\x0e\n\x06stride\x18\x02 \x03(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\x12\x0e\n\x06handle\x18\x06 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x07 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x08 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\t \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\n \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x0b \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x0c \x01(\x08\"\x8f\x01\n\x0bSharedCache\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12,\n\x06layers\x18\x03 \x03(\x0b\x32\x1c.ref_server.v1.CudaIpcTensor\x12\x15\n\rnixl_metadata\x18\x04 \x01(\x0c\x12\x18\n\x10nixl_unavailable\x18\x05 \x01(\t\"\'\n\tNixlPages\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x0c\"q\n\x08KvBlocks\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\x05\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12,\n\nnixl_pages\x18\x04 \x01(\x0b\x32\x18.ref_server.v1.NixlPages\"#\n\x0eReleaseRequest\x12\x11\n\tkv_handle\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\xcf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x05\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.ref_server.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x11\n\tkv_handle\x18\x06 \x01(\t\x12\x11\n\tnum_pages\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\"\x8d\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.ref_server.v1.FinishReason\x12\x34\n\x0bkv_transfer\x18\x03 \x01(\x0e\x32\x1f.ref_server.v1.KvTransferMethod*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x91\x01\n\x10KvTransferMethod\x12\"\n\x1eKV_TRANSFER_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_TRANSFER_METHOD_GRPC\x10\x01\x12\x1f\n\x1bKV_TRANSFER_METHOD_CUDA_IPC\x10\x02\x12\x1b\n\x17KV_TRANSFER_METHOD_NIXL\x10\x03\x32\xba\x02\n\x06Router\x12M\n\x08Generate\x12\x1e.ref_server.v1.GenerateRequest\x1a\x1f.ref_server.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.ref_server.v1.AbortRequest\x1a\x1c.ref_server.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".ref_server.v1.GetModelInfoRequest\x1a\x18.ref_server.v1.ModelInfo\x12O\n\rGetServerInfo\x12#.ref_server.v1.GetServerInfoRequest\x1a\x19.ref_server.v1.ServerInfo2\x98\x01\n\x08Instance\x12G\n\x08Register\x12\x1e.ref_server.v1.RegisterRequest\x1a\x1b.ref_server.v1.InstanceInfo\x12\x43\n\x07GetLoad\x12\x1d.ref_server.v1.GetLoadRequest\x1a\x19.ref_server.v1.WorkerLoad2\xa9\x01\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.ref_server.v1.PrefillRequest\x1a\x1e.ref_server.v1.PrefillResponse\x12T\n\x0bPrefixMatch\x12!.ref_server.v1.PrefixMatchRequest\x1a\".ref_server.v1.PrefixMatchResponse2\x9e\x02\n\nKvTransfer\x12;\n\x04Pull\x12\x1a.ref_server.v1.PullRequest\x1a\x15.ref_server.v1.KvPage0\x01\x12H\n\x07Release\x12\x1d.ref_server.v1.ReleaseRequest\x1a\x1e.ref_server.v1.ReleaseResponse\x12J\n\nShareCache\x12 .ref_server.v1.ShareCacheRequest\x1a\x1a.ref_server.v1.SharedCache\x12=\n\x06Locate\x12\x1a.ref_server.v1.PullRequest\x1a\x17.ref_server.v1.KvBlocks2Q\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.ref_server.v1.DecodeRequest\x1a\x1d.ref_server.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ref_server.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3455
-  _globals['_FINISHREASON']._serialized_end=3575
-  _globals['_KVTRANSFERMETHOD']._serialized_start=3578
-  _globals['_KVTRANSFERMETHOD']._serialized_end=3723
+  _globals['_FINISHREASON']._serialized_start=3476
+  _globals['_FINISHREASON']._serialized_end=3596
+  _globals['_KVTRANSFERMETHOD']._serialized_start=3599
+  _globals['_KVTRANSFERMETHOD']._serialized_end=3744
   _globals['_SAMPLINGPARAMS']._serialized_start=47
   _globals['_SAMPLINGPARAMS']._serialized_end=256
   _globals['_TOKENIDS']._serialized_start=258
@@ -72,45 +72,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=1649
   _globals['_REGISTERREQUEST']._serialized_end=1693
   _globals['_INSTANCEINFO']._serialized_start=1696
-  _globals['_INSTANCEINFO']._serialized_end=1897
-  _globals['_PREFIXMATCHREQUEST']._serialized_start=1899
-  _globals['_PREFIXMATCHREQUEST']._serialized_end=1940
-  _globals['_PREFIXMATCHRESPONSE']._serialized_start=1942
-  _globals['_PREFIXMATCHRESPONSE']._serialized_end=1985
-  _globals['_PREFILLREQUEST']._serialized_start=1987
-  _globals['_PREFILLREQUEST']._serialized_end=2111
-  _globals['_PREFILLRESPONSE']._serialized_start=2114
-  _globals['_PREFILLRESPONSE']._serialized_end=2288
-  _globals['_PULLREQUEST']._serialized_start=2290
-  _globals['_PULLREQUEST']._serialized_end=2342
-  _globals['_KVPAGE']._serialized_start=2344
-  _globals['_KVPAGE']._serialized_end=2430
-  _globals['_SHARECACHEREQUEST']._serialized_start=2432
-  _globals['_SHARECACHEREQUEST']._serialized_end=2465
-  _globals['_CUDAIPCTENSOR']._serialized_start=2468
-  _globals['_CUDAIPCTENSOR']._serialized_end=2741
-  _globals['_SHAREDCACHE']._serialized_start=2744
-  _globals['_SHAREDCACHE']._serialized_end=2887
-  _globals['_NIXLPAGES']._serialized_start=2889
-  _globals['_NIXLPAGES']._serialized_end=2928
-  _globals['_KVBLOCKS']._serialized_start=2930
-  _globals['_KVBLOCKS']._serialized_end=3043
-  _globals['_RELEASEREQUEST']._serialized_start=3045
-  _globals['_RELEASEREQUEST']._serialized_end=3080
-  _globals['_RELEASERESPONSE']._serialized_start=3082
-  _globals['_RELEASERESPONSE']._serialized_end=3099
-  _globals['_DECODEREQUEST']._serialized_start=3102
-  _globals['_DECODEREQUEST']._serialized_end=3309
-  _globals['_DECODERESPONSE']._serialized_start=3312
-  _globals['_DECODERESPONSE']._serialized_end=3453
-  _globals['_ROUTER']._serialized_start=3726
-  _globals['_ROUTER']._serialized_end=4040
-  _globals['_INSTANCE']._serialized_start=4043
-  _globals['_INSTANCE']._serialized_end=4195
-  _globals['_PREFILL']._serialized_start=4198
-  _globals['_PREFILL']._serialized_end=4367
-  _globals['_KVTRANSFER']._serialized_start=4370
-  _globals['_KVTRANSFER']._serialized_end=4656
-  _globals['_DECODE']._serialized_start=4658
-  _globals['_DECODE']._serialized_end=4739
+  _globals['_INSTANCEINFO']._serialized_end=1918
+  _globals['_PREFIXMATCHREQUEST']._serialized_start=1920
+  _globals['_PREFIXMATCHREQUEST']._serialized_end=1961
+  _globals['_PREFIXMATCHRESPONSE']._serialized_start=1963
+  _globals['_PREFIXMATCHRESPONSE']._serialized_end=2006
+  _globals['_PREFILLREQUEST']._serialized_start=2008
+  _globals['_PREFILLREQUEST']._serialized_end=2132
+  _globals['_PREFILLRESPONSE']._serialized_start=2135
+  _globals['_PREFILLRESPONSE']._serialized_end=2309
+  _globals['_PULLREQUEST']._serialized_start=2311
+  _globals['_PULLREQUEST']._serialized_end=2363
+  _globals['_KVPAGE']._serialized_start=2365
+  _globals['_KVPAGE']._serialized_end=2451
+  _globals['_SHARECACHEREQUEST']._serialized_start=2453
+  _globals['_SHARECACHEREQUEST']._serialized_end=2486
+  _globals['_CUDAIPCTENSOR']._serialized_start=2489
+  _globals['_CUDAIPCTENSOR']._serialized_end=2762
+  _globals['_SHAREDCACHE']._serialized_start=2765
+  _globals['_SHAREDCACHE']._serialized_end=2908
+  _globals['_NIXLPAGES']._serialized_start=2910
+  _globals['_NIXLPAGES']._serialized_end=2949
+  _globals['_KVBLOCKS']._serialized_start=2951
+  _globals['_KVBLOCKS']._serialized_end=3064
+  _globals['_RELEASEREQUEST']._serialized_start=3066
+  _globals['_RELEASEREQUEST']._serialized_end=3101
+  _globals['_RELEASERESPONSE']._serialized_start=3103
+  _globals['_RELEASERESPONSE']._serialized_end=3120
+  _globals['_DECODEREQUEST']._serialized_start=3123
+  _globals['_DECODEREQUEST']._serialized_end=3330
+  _globals['_DECODERESPONSE']._serialized_start=3333
+  _globals['_DECODERESPONSE']._serialized_end=3474
+  _globals['_ROUTER']._serialized_start=3747
+  _globals['_ROUTER']._serialized_end=4061
+  _globals['_INSTANCE']._serialized_start=4064
+  _globals['_INSTANCE']._serialized_end=4216
+  _globals['_PREFILL']._serialized_start=4219
+  _globals['_PREFILL']._serialized_end=4388
+  _globals['_KVTRANSFER']._serialized_start=4391
+  _globals['_KVTRANSFER']._serialized_end=4677
+  _globals['_DECODE']._serialized_start=4679
+  _globals['_DECODE']._serialized_end=4760
 # @@protoc_insertion_point(module_scope)

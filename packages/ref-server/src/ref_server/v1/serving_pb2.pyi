@@ -209,7 +209,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, prefill_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("role", "model", "model_fingerprint", "num_layers", "page_size", "cache_width", "cache_dtype", "max_running", "rank", "ranks")
+    __slots__ = ("role", "model", "model_fingerprint", "num_layers", "page_size", "cache_width", "cache_dtype", "max_running", "rank", "ranks", "speculative")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class InstanceInfo(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     model_fingerprint: str
@@ -230,7 +231,8 @@ class InstanceInfo(_message.Message):
     max_running: int
     rank: int
     ranks: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., cache_width: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., max_running: _Optional[int] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., page_size: _Optional[int] = ..., cache_width: _Optional[int] = ..., cache_dtype: _Optional[str] = ..., max_running: _Optional[int] = ..., rank: _Optional[int] = ..., ranks: _Optional[int] = ..., speculative: bool = ...) -> None: ...
 
 class PrefixMatchRequest(_message.Message):
     __slots__ = ("page_hashes",)
