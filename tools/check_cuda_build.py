@@ -32,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from torch.utils import cpp_extension
 
 from ep_comm import extension as ep_extension
@@ -40,8 +41,6 @@ from mla_kernels import extension as mla_extension
 from ref_server.kernels import cutlass_gemm
 
 ROOT = Path(__file__).resolve().parents[1]
-# A CPU build of torch looks for no CUDA toolkit; the ninja file takes nvcc and its headers here.
-cpp_extension.CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 # The CPU wheel has torch's CUDA headers but not the one CMake generates for them, which only says
 # whether c10_cuda is a shared library (of no effect on Linux): torch's own switch skips it.
 CUDA_CONFIG_HEADER = Path(cpp_extension.include_paths()[0]) / "c10/cuda/impl/cuda_cmake_macros.h"
@@ -65,6 +64,16 @@ TORCH_EXTENSIONS = {
 }
 LOW_LATENCY = "ep-comm-low-latency"
 EXTENSIONS = [*TORCH_EXTENSIONS, LOW_LATENCY]
+
+
+def use_toolkit() -> None:
+    """Show a CPU build of torch the CUDA toolkit, as a CUDA build finds it: its nvcc and headers
+    go into the ninja file, and its version makes that file track the headers each .cu includes."""
+    cpp_extension.CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    if torch.version.cuda is None:
+        nvcc = Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True)
+        torch.version.cuda = re.search(r"release (\d+\.\d+)", version.stdout)[1]
 
 
 def cuda_library_includes() -> list[str]:
@@ -120,12 +129,25 @@ def build_low_latency(build_dir: Path) -> tuple[bool, str]:
     return run.returncode == 0, run.stderr[-4000:]
 
 
+def extension(name: str) -> str:
+    if name not in EXTENSIONS:
+        raise argparse.ArgumentTypeError(f"{name!r} is none of {', '.join(EXTENSIONS)}")
+    return name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("extensions", nargs="*", choices=EXTENSIONS, default=EXTENSIONS)
+    parser.add_argument(
+        "extensions",
+        nargs="*",
+        type=extension,
+        default=EXTENSIONS,
+        help=f"of {', '.join(EXTENSIONS)} (default: all)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel compiles")
     parser.add_argument("--build-dir", type=Path, default=ROOT / "build" / "cuda-check")
     options = parser.parse_args()
+    use_toolkit()
 
     failed = 0
     for name in options.extensions:
