@@ -8,6 +8,8 @@
 # Each stage's log (and JSON) and summary.txt go to $OUT (the device call's folder; 8 files
 # come back at most) or ./gpu-logs. A stage that fails is reported and the next one still runs;
 # the exit status is the number of failures.
+# Before a call that builds changed CUDA code (any csrc/), run tools/check_cuda_build.py on the
+# CPU machine: it compiles and links each extension as the GPU machine will (docs/development.md).
 # When a stage's figures are in docs/benchmarks.md, take it off PENDING below.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,6 +1,7 @@
 """The low-latency mode: its FP8 cast and buffer size in this process, and dispatch / combine
 across gloo process groups of 2, 3 and 4 spawned processes (tests/ll_scenarios.py)."""
 
+import importlib.util
 import operator
 import threading
 import time
@@ -140,6 +141,18 @@ def test_bad_arguments_raise_on_every_rank():
 
 def test_an_allocation_failure_on_one_rank_raises_on_every_rank():
     run_ranks(2, SCENARIOS, "allocation_fails", limit=120)
+
+
+def test_without_any_nvidia_wheel_nvshmem_says_what_to_install(monkeypatch):
+    def no_nvidia_package(name, package=None):
+        raise ModuleNotFoundError("No module named 'nvidia'", name="nvidia")
+
+    monkeypatch.delenv("NVSHMEM_DIR", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", no_nvidia_package)
+    with pytest.raises(
+        nvshmem.NvshmemUnavailable, match=r"install nvidia-nvshmem-cu\d+ or set NVSHMEM_DIR"
+    ):
+        nvshmem.nvshmem_dir()
 
 
 def test_an_nvshmem_collective_that_never_returns_raises_and_so_does_every_later_one(

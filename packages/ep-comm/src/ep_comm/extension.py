@@ -26,6 +26,17 @@ def build_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def build_args() -> dict:
+    """cpp_extension.load's sources, include paths and flags; tools/check_cuda_build.py builds
+    from the same."""
+    return {
+        "sources": [str(p) for p in sorted(CSRC.iterdir()) if p.suffix in (".cu", ".cpp")],
+        "extra_include_paths": [str(CSRC)],
+        "extra_cflags": ["-O3"],
+        "extra_cuda_cflags": NVCC_FLAGS,
+    }
+
+
 @functools.cache
 def load_extension():
     """The compiled module (built on first use)."""
@@ -37,10 +48,7 @@ def load_extension():
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name=f"ep_comm_cuda_{key}",
-        sources=[str(p) for p in sorted(CSRC.iterdir()) if p.suffix in (".cu", ".cpp")],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=NVCC_FLAGS,
+        **build_args(),
         build_directory=str(build_dir),
         verbose=os.environ.get("EP_COMM_BUILD_VERBOSE", "0") == "1",
     )

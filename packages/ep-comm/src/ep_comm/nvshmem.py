@@ -52,7 +52,10 @@ class NvshmemUnavailable(RuntimeError):
 def nvshmem_dir() -> Path:
     if "NVSHMEM_DIR" in os.environ:
         return Path(os.environ["NVSHMEM_DIR"])
-    spec = importlib.util.find_spec("nvidia.nvshmem")
+    try:
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+    except ModuleNotFoundError:  # no nvidia-* wheel at all
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         cuda = (torch.version.cuda or "12").split(".")[0]
         raise NvshmemUnavailable(

@@ -32,6 +32,7 @@ NVCC_FLAGS = [
     "-lineinfo",
     "-Xptxas=-v",
 ]
+SM90A_ARCH_LIST = "9.0a"  # TORCH_CUDA_ARCH_LIST: wgmma and setmaxnreg exist only in sm_90a
 BACKENDS = ("auto", "reference", "cuda")
 
 
@@ -96,6 +97,25 @@ def build_hash(csrc: Path = CSRC) -> str:
     return digest.hexdigest()[:16]
 
 
+def sm90a_build_args(csrc: Path) -> dict:
+    """cpp_extension.load's sources, include paths and flags for every .cu and .cpp file of
+    csrc, with the CUTLASS headers; tools/check_cuda_build.py builds from the same."""
+    from torch.utils import cpp_extension
+
+    cuda_home = Path(cpp_extension.CUDA_HOME or "/usr/local/cuda")
+    return {
+        "sources": [str(p) for p in sorted(csrc.iterdir()) if p.suffix in (".cu", ".cpp")],
+        "extra_include_paths": [
+            str(csrc),
+            str(cutlass_include()),
+            str(cutlass_include().parent / "tools" / "util" / "include"),
+            str(cuda_home / "include" / "cccl"),
+        ],
+        "extra_cflags": ["-O3"],
+        "extra_cuda_cflags": NVCC_FLAGS,
+    }
+
+
 def load_sm90a_ops(name: str, csrc: Path, cache: Path, verbose: bool = False) -> None:
     """Compile (or reuse) every .cu and .cpp file of csrc for sm_90a, with the CUTLASS headers,
     into `cache/<build_hash(csrc)>`, and load the torch ops they register. mla-kernels builds
@@ -105,21 +125,12 @@ def load_sm90a_ops(name: str, csrc: Path, cache: Path, verbose: bool = False) ->
     key = build_hash(csrc)
     build_dir = cache / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    cuda_home = Path(cpp_extension.CUDA_HOME or "/usr/local/cuda")
     previous_arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma and setmaxnreg exist only in sm_90a
+    os.environ["TORCH_CUDA_ARCH_LIST"] = SM90A_ARCH_LIST
     try:
         cpp_extension.load(
             name=f"{name}_{key}",
-            sources=[str(p) for p in sorted(csrc.iterdir()) if p.suffix in (".cu", ".cpp")],
-            extra_include_paths=[
-                str(csrc),
-                str(cutlass_include()),
-                str(cutlass_include().parent / "tools" / "util" / "include"),
-                str(cuda_home / "include" / "cccl"),
-            ],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=NVCC_FLAGS,
+            **sm90a_build_args(csrc),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
