@@ -4,10 +4,12 @@ goes on over the others, and how the ranks agree on who is left (`Membership.agr
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -44,23 +46,11 @@ def run_instance(
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    spec = RANKS.as_posix()
+    address = f"127.0.0.1:{port}"
+    serve = elastic_ranks().serve
+    rest = (address, str(path), victim, fault, device, FAILURE_TIMEOUT_S, results)
     processes = [
-        context.Process(
-            target=_rank_main,
-            args=(
-                spec,
-                rank,
-                ranks,
-                f"127.0.0.1:{port}",
-                str(path),
-                victim,
-                fault,
-                device,
-                results,
-            ),
-            daemon=True,
-        )
+        context.Process(target=serve, args=(rank, ranks, *rest), daemon=True)
         for rank in range(ranks)
     ]
     for process in processes:
@@ -88,13 +78,12 @@ def run_instance(
     return got, lost_at, store
 
 
-def _rank_main(spec, *args):
-    import importlib.util
-
-    module_spec = importlib.util.spec_from_file_location("elastic_ranks", spec)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    module.serve(*args[:-1], FAILURE_TIMEOUT_S, args[-1])
+def elastic_ranks():
+    """elastic_ranks.py as a module the spawned ranks import by name: pytest's importlib mode
+    gives this file a name they cannot import."""
+    if str(RANKS.parent) not in sys.path:
+        sys.path.insert(0, str(RANKS.parent))  # the children start with this process's path
+    return importlib.import_module("elastic_ranks")
 
 
 @pytest.mark.parametrize(("ranks", "victim", "fault"), [(4, 2, "kill"), (4, 0, "stop")])
