@@ -245,8 +245,10 @@ def test_the_switch_is_checked_and_captures_nothing_on_the_cpu(monkeypatch):
     model = M.from_preset("tiny", mtp=True, seed=26)
     config = SchedulerConfig(num_blocks=8, block_size=PAGE, max_model_len=64)
     monkeypatch.setenv("REF_SERVER_MTP_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="REF_SERVER_MTP_GRAPHS must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match="REF_SERVER_MTP_GRAPHS must be auto, 1 or 0, got 'yes'"):
         Engine(model, config, draft_tokens=1)
+    monkeypatch.delenv("REF_SERVER_MTP_GRAPHS")  # auto: eager where the graphs cannot be
+    Engine(model, config, draft_tokens=1, two_batch="on")
     monkeypatch.setenv("REF_SERVER_MTP_GRAPHS", "1")
     runner = Engine(model, config, draft_tokens=1).runner
     assert runner.speculative.width == 2 and not runner.speculative.captured

@@ -22,8 +22,9 @@ acceptance of the drafts; then, once the scheduler has taken the tokens, `draft`
 over the kept tokens' hidden states and drafts the next round's tokens. After a prefill step
 both run eagerly over the step's tokens; after a decode step through `SpeculativeSteps`, in its
 shapes fixed per batch size (the decode kernel over each sequence's newest token and its
-drafts), replayed from CUDA graphs with REF_SERVER_MTP_GRAPHS=1 (greedy drafting; sampled
-requests draft eagerly in the same shapes; one rank, one batch). A prefill instance's prompt
+drafts), replayed from CUDA graphs where one rank steps one batch on CUDA, unless
+REF_SERVER_MTP_GRAPHS=0 (greedy drafting; sampled requests draft eagerly in the same shapes).
+A prefill instance's prompt
 keeps its last hidden state in its last token's page (`PagedKVCache.prompt_hidden`), where a
 decode instance's `draft` reads it after the transfer. Expert-parallel ranks plan a verify step
 as any step (a decode step's as a decode: two microbatches split between sequences or one, the
@@ -57,16 +58,18 @@ from ref_server.model.step import StepBatch
 
 TWO_BATCH_MODES = ("auto", "on", "off")
 IDLE = -1  # a rank's vote without sequences; else the index of its batch's mode in MODES
-MTP_GRAPHS = "REF_SERVER_MTP_GRAPHS"  # "1": capture speculative decoding's steps on CUDA
+MTP_GRAPHS = "REF_SERVER_MTP_GRAPHS"  # capture speculative decoding's steps on CUDA: auto, 1, 0
+MTP_GRAPHS_MODES = ("auto", "1", "0")
 
 
-def mtp_graphs_by_environment() -> bool:
-    """Whether REF_SERVER_MTP_GRAPHS asks for CUDA graphs of speculative decoding's steps: "1"
-    yes, "0" or unset no; ValueError naming the variable on anything else."""
-    value = os.environ.get(MTP_GRAPHS, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{MTP_GRAPHS} must be 0 or 1, got {value!r}")
-    return value == "1"
+def mtp_graphs_by_environment() -> str:
+    """REF_SERVER_MTP_GRAPHS: "auto" (unset) captures speculative decoding's steps where one
+    rank steps one batch, "1" asks for them anywhere (refused where they cannot be), "0" runs
+    them eagerly; ValueError naming the variable on anything else."""
+    value = os.environ.get(MTP_GRAPHS, "auto")
+    if value not in MTP_GRAPHS_MODES:
+        raise ValueError(f"{MTP_GRAPHS} must be auto, 1 or 0, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -179,12 +182,14 @@ class ModelRunner:
             )
         self.speculative = None
         if draft_tokens:
-            graphs = mtp_graphs_by_environment()
-            if graphs and (self.expert_parallel or self.two_batch):
+            mode = mtp_graphs_by_environment()
+            one_batch = not (self.expert_parallel or self.two_batch)
+            if mode == "1" and not one_batch:
                 raise ValueError(
                     f"{MTP_GRAPHS}=1 captures one rank's speculative steps as one batch: not "
                     "with expert parallelism or two-batch overlap"
                 )
+            graphs = mode == "1" or (mode == "auto" and one_batch)
             self.speculative = SpeculativeSteps(
                 model,
                 self.cache,
