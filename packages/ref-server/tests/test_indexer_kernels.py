@@ -2,8 +2,9 @@
 implementation (the torch reference) against a float64 formula written out query by query, on
 values worked by hand, ragged and causal key ranges, page sizes 16-128 and padded block tables;
 the top-k selection with ties and too few keys; cache slots; argument checks; opcheck; the
-Triton kernel against the reference in Triton's interpreter (where triton is installed) and on
-the GPU (`gpu` marker) at V3.2's shapes, with CUDA graph replays."""
+kernel's error bound on Hopper; the Triton kernel against the reference in Triton's interpreter
+(where triton is installed) and on the GPU (`gpu` marker, within that bound) at V3.2's shapes,
+with CUDA graph replays."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ref_server.kernels.indexer import (
     index_logits,
     index_logits_paged,
     index_topk,
+    logits_error_bound,
     triton_by_environment,
     triton_index_logits,
     triton_index_logits_paged,
@@ -64,14 +66,26 @@ def paged_f64(q, weights, k_cache, k_scale, block_table, seqlens) -> torch.Tenso
     return out
 
 
-def assert_logits(got: torch.Tensor, want: torch.Tensor, relative: float) -> None:
-    """-inf exactly where want has it; elsewhere within relative of want's largest magnitude."""
+def assert_logits(got: torch.Tensor, want: torch.Tensor, tolerance: float | torch.Tensor) -> None:
+    """-inf exactly where want has it; elsewhere within tolerance: a float, relative to want's
+    largest magnitude; a tensor as want, each element's bound (`logits_error_bound`)."""
     assert got.dtype == torch.float32 and got.shape == want.shape
     got, want = got.double().cpu(), want.double().cpu()
     finite = want.isfinite()
     assert torch.equal(got.isfinite(), finite) and (got[~finite] == -INF).all()
-    scale = want[finite].abs().max().item() if finite.any() else 1.0
-    torch.testing.assert_close(got[finite], want[finite], rtol=relative, atol=relative * scale)
+    if isinstance(tolerance, float):
+        scale = want[finite].abs().max().item() if finite.any() else 1.0
+        torch.testing.assert_close(
+            got[finite], want[finite], rtol=tolerance, atol=tolerance * scale
+        )
+        return
+    error, bound = (got - want)[finite].abs(), tolerance.double().cpu()[finite]
+    over = (error > bound).nonzero().squeeze(1)
+    assert not len(over), (
+        f"{len(over)} of {len(error)} logits off by more than their bound, up to "
+        f"{(error / bound).max().item():.3g} times it (first: {error[over[0]].item():.4g} > "
+        f"{bound[over[0]].item():.4g})"
+    )
 
 
 # ---- inputs ----
@@ -349,6 +363,39 @@ def test_the_switch_reads_0_or_1_and_is_on_where_triton_is_installed(monkeypatch
         triton_by_environment()
 
 
+# ---- the kernel's error bound on Hopper ----
+
+
+def test_the_error_bound_is_the_terms_magnitudes_and_wrong_logits_exceed_it():
+    """`logits_error_bound` is FP8_DOT_UNIT (plus fp32's share) of the float64 formula over the
+    arguments' absolute values; the exact logits stay within it, and logits with a head left
+    out, each key's neighbour's, the keys' scales left out or a channel left out exceed it at a
+    large share of the keys, so the GPU tests that assert it would fail such a kernel."""
+    g = torch.Generator().manual_seed(13)
+    q, weights, k, k_scale = ragged_inputs(40, 300, 64, 128, g)
+    ranges = [(0, 100 + 5 * i) for i in range(40)]
+    ks, ke = (torch.tensor(column, dtype=torch.int32) for column in zip(*ranges, strict=True))
+    bound = logits_error_bound(index_logits, q, weights, k, k_scale, ks, ke)
+    absolute = [x.float().abs().to(FP8) for x in (q, k)]
+    magnitudes = logits_f64(absolute[0], weights.abs(), absolute[1], k_scale, ranges)
+    unit = indexer.FP8_DOT_UNIT + (128 + 64) * indexer.FP32_UNIT
+    assert_logits(bound, magnitudes * unit, 1e-5)
+    want = logits_f64(q, weights, k, k_scale, ranges)
+    assert_logits(want.float(), want, bound)
+    seen = want.isfinite()
+    wrong = {
+        "a head": (logits_f64(q[:, 1:], weights[:, 1:], k, k_scale, ranges), 0.3),
+        "the key": (logits_f64(q, weights, k.roll(-1, 0), k_scale.roll(-1, 0), ranges), 0.9),
+        "the scale": (logits_f64(q, weights, k, torch.ones_like(k_scale), ranges), 0.9),
+        "a channel": (logits_f64(q[..., 1:], weights, k[:, 1:], k_scale, ranges), 0.6),
+    }
+    for name, (logits, share) in wrong.items():
+        over = ((logits - want)[seen].abs() > bound.double()[seen]).double().mean().item()
+        assert over > share, f"without {name}: {over:.2f} of the logits over the bound"
+        with pytest.raises(AssertionError, match="off by more than their bound"):
+            assert_logits(logits.float(), want, bound)
+
+
 # ---- the Triton kernel on the CPU, through Triton's interpreter ----
 
 
@@ -398,8 +445,9 @@ def test_the_paged_kernel_is_the_reference_on_cuda(seqlens, s_q, page_size, monk
     args = [x.cuda() for x in paged_inputs(seqlens, s_q, 64, 128, page_size, g)]
     monkeypatch.setenv(indexer.SWITCH, "0")
     want = index_logits_paged(*args)  # the reference
+    bound = logits_error_bound(index_logits_paged, *args)
     monkeypatch.setenv(indexer.SWITCH, "1")
-    assert_logits(index_logits_paged(*args), want, 1e-4)
+    assert_logits(index_logits_paged(*args), want, bound)
 
 
 @gpu
@@ -412,8 +460,9 @@ def test_the_ragged_kernel_is_the_reference_on_cuda(monkeypatch):
     args = [x.cuda() for x in (*ragged_inputs(sum(lengths), sum(lengths), 64, 128, g), ks, ke)]
     monkeypatch.setenv(indexer.SWITCH, "0")
     want = index_logits(*args)
+    bound = logits_error_bound(index_logits, *args)
     monkeypatch.setenv(indexer.SWITCH, "1")
-    assert_logits(index_logits(*args), want, 1e-4)
+    assert_logits(index_logits(*args), want, bound)
 
 
 @gpu

@@ -31,7 +31,10 @@ REF_SERVER_INDEXER_TRITON=0; =1 insists on it) one Triton kernel (`_logits_kerne
 takes a few query tokens of a sequence (up to 128 token-heads: at V3.2's 64 heads, two) and walks
 its share of the key axis in tiles of 128 keys, each tile one FP8 `tl.dot` of the keys against
 all the tokens' heads, then ReLU, the weighted sum over heads and the keys' scales. triton is
-imported on the first call that launches it. NOTES.md has its measurements.
+imported on the first call that launches it. NOTES.md has its measurements. On Hopper its FP8
+dots keep fewer bits than fp32, so its logits differ from the exact ones by up to
+`logits_error_bound` (a few in 10^5 of the terms' magnitudes): near-ties in `index_topk` may then
+pick other keys than an exact computation would.
 """
 
 from __future__ import annotations
@@ -236,6 +239,35 @@ def _(q, weights, k_cache, k_scale, block_table, seqlens):
         return triton_index_logits_paged(q, weights, k_cache, k_scale, block_table, seqlens)
     check_paged(q, weights, k_cache, k_scale, block_table, seqlens)
     return _reference_paged(q, weights, k_cache, k_scale, block_table, seqlens)
+
+
+# Hopper's FP8 tensor cores add each 32 products of a dot to the running sum aligned to the
+# largest and truncated to 13 fraction bits (an e8m13 accumulator; DeepSeek-V3's report, 3.3.2:
+# "around 14 bits"), so a logit's error follows its terms' magnitudes, not its value. Those
+# truncations, of both signs over 4 steps and 64 heads, came to about 2^-16 of the magnitudes at
+# most on an H100 (an emulation of that accumulator reproduces its errors; worst of 140,000
+# logits 2^-15.9): 2^-13 leaves a 7-fold margin, and is far less than a head, a key or a scale
+# gone wrong moves a logit by.
+FP8_DOT_UNIT = 2.0**-13
+FP32_UNIT = 2.0**-24
+
+
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|x| of e4m3 values, exactly (the sign bit cleared), on any device."""
+    return (x.view(torch.uint8) & 0x7F).view(FP8)
+
+
+def logits_error_bound(logits_op, q, weights, keys, k_scale, *ranges) -> torch.Tensor:
+    """fp32, as logits_op's logits: how far the Triton kernel's logits may be from the exact
+    ones, each: FP8_DOT_UNIT of its terms' magnitude, k_scale[s] * sum_h |w[t, h]| *
+    sum_d |q[t, h, d] k[s, d]| (logits_op, `index_logits` or `index_logits_paged`, of the
+    arguments' absolute values, whose ReLU then changes nothing; on CUDA with
+    REF_SERVER_INDEXER_TRITON=0, or their references `_reference_*`), plus fp32's worst rounding
+    of the sums over dim and heads; -inf where the logits are. ranges: logits_op's last
+    arguments (ks, ke or block_table, seqlens)."""
+    magnitudes = logits_op(_magnitude(q), weights.abs(), _magnitude(keys), k_scale.abs(), *ranges)
+    heads, dim = q.shape[-2:]
+    return magnitudes * (FP8_DOT_UNIT + (dim + heads) * FP32_UNIT)
 
 
 def index_topk(logits: torch.Tensor, k: int = 2048) -> torch.Tensor:
