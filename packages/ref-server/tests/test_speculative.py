@@ -87,6 +87,51 @@ def test_forced_acceptance_accepts_at_the_chosen_rate():
     assert stats.drafted == stats.rounds
 
 
+def test_a_batch_accepts_for_each_sequence_what_it_accepts_alone():
+    """Greedy and sampled sequences (top-k, top-p) with 0 to 3 drafts in one batch, each with
+    rows of its own in the logits: `accept` decides each as it does alone; greedily, the drafts
+    up to the first that is not the argmax, then the argmax; forced to keep every draft or
+    none, the drafts and then the token `sample` draws after them, or that token at the first."""
+    vocab, counts = 40, [0, 1, 2, 3, 3, 2, 1, 3]
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, seed=int(torch.randint(1000, ())))
+        for t, k, p in [(0, 0, 1), (0.9, 0, 1), (0, 0, 1), (0.7, 5, 1)] * 2
+    ]
+    params[5] = dataclasses.replace(params[5], top_p=0.8)
+    positions = torch.randint(10, 100, (len(counts),)).tolist()
+    first_rows = torch.randint(0, 3, (len(counts),)).tolist()  # gaps between sequences' rows
+    for i in range(1, len(counts)):
+        first_rows[i] += first_rows[i - 1] + counts[i - 1] + 1
+    logits = torch.randn(first_rows[-1] + counts[-1] + 1, vocab) * 3
+    drafts, probs = [], []
+    for p, at, first, n in zip(params, positions, first_rows, counts, strict=True):
+        proposed = [S.propose(logits[first + j] + torch.randn(vocab), p, at + j) for j in range(n)]
+        best = logits[first : first + n + 1].argmax(-1).tolist()
+        right = int(torch.randint(0, n + 1, ()))
+        greedy = best[:right] + [(t + 1) % vocab for t in best[right:n]]  # then a wrong one
+        drafts.append(greedy if p.greedy else [t for t, _ in proposed])
+        probs.append([q for _, q in proposed])
+    for forced in (None, 0.0, 1.0):
+        got = S.accept(logits, first_rows, drafts, probs, params, positions, forced)
+        for i, (first, d) in enumerate(zip(first_rows, drafts, strict=True)):
+            alone = S.accept(
+                logits[first : first + len(d) + 1], [0], [d], [probs[i]], [params[i]],
+                [positions[i]], forced,
+            )  # fmt: skip
+            assert got[i] == alone[0]
+            rows = logits[first : first + len(d) + 1]
+            if forced is not None:
+                kept = d if forced else []
+                after = M.sampling.sample(
+                    rows[len(kept) :][:1], [params[i]], [positions[i] + len(kept)]
+                )
+                assert got[i] == kept + after
+            elif params[i].greedy:
+                best = rows.argmax(-1).tolist()
+                right = next((j for j, t in enumerate(d) if t != best[j]), len(d))
+                assert got[i] == [*d[:right], best[right]]
+
+
 VOCAB = 6
 TARGET = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
 DRAFT = torch.tensor([0.0, 2.0, -1.0, 1.0, 0.5, -2.0])  # far from the target
@@ -99,19 +144,20 @@ def first_tokens(accept, n: int = 6000, temperature: float = 0.8) -> torch.Tenso
     for seed in range(n):
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=4)
         token, q = S.propose(DRAFT, params, 10)
-        got = accept(torch.stack([TARGET, TARGET]), [token], [q], params, 10)
-        counts[got[0]] += 1
+        got = accept(torch.stack([TARGET, TARGET]), [0], [[token]], [[q]], [params], [10])
+        counts[got[0][0]] += 1
     return counts
 
 
-def wrong_accept(logits, drafts, draft_probs, params, position):
-    """Accept by the ratio, but replace a rejected draft from p instead of max(0, p - q)."""
-    p = M.sampling.probabilities(logits, params)
-    q = draft_probs[0]
-    u = float(S.uniform(S._key(params, position, S.ACCEPT), 1))
-    if u * q[drafts[0]] < p[0, drafts[0]]:
+def wrong_accept(logits, first_rows, drafts, draft_probs, params, positions):
+    """Accept one sequence's one draft by the ratio, but replace a rejected draft from p
+    instead of max(0, p - q)."""
+    (draft,), (q,), (params,), (position,) = drafts[0], draft_probs[0], params, positions
+    p = M.sampling.probabilities(logits[:1], [params])[0]
+    u = float(S.uniform(S._keys([params], [position], S.ACCEPT, "cpu"), 1))
+    if u * q[draft] < p[draft]:
         return drafts
-    return S.sample(logits[:1], [params], [position])
+    return [M.sampling.sample(logits[:1], [params], [position])]
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -322,20 +322,28 @@ class ModelRunner:
         else:
             logits, hidden = self.speculative.verify(batch, split, plan.low_latency)
             ends = [(i + 1) * width for i in range(len(step.seqs))]
-        accepted, handed = [], {}
-        for seq, chunk, end in zip(step.seqs, step.chunks, ends, strict=True):
-            known = chunk - len(seq.drafts)
-            if seq.num_computed + known < len(seq):
-                accepted.append(None)
-            else:
-                rows = logits[end - len(seq.drafts) - 1 : end]
-                accepted.append(
-                    accept(
-                        rows, seq.drafts, seq.draft_probs, seq.params, len(seq), forced_acceptance
-                    )
-                )
-                if seq.hold_pages:  # a prefill instance's prompt, for the decode instance
-                    handed[self._prompt_block(seq)] = end - len(seq.drafts) - 1
+        # the sequences whose chunk reaches their newest token, and the row of that token
+        taking = {
+            i: end - len(seq.drafts) - 1
+            for i, (seq, chunk, end) in enumerate(zip(step.seqs, step.chunks, ends, strict=True))
+            if seq.num_computed + chunk - len(seq.drafts) == len(seq)
+        }
+        accepted = [None] * len(step.seqs)
+        if taking:
+            seqs = [step.seqs[i] for i in taking]
+            results = accept(
+                logits, list(taking.values()), [s.drafts for s in seqs],
+                [s.draft_probs for s in seqs], [s.params for s in seqs], [len(s) for s in seqs],
+                forced_acceptance,
+            )  # fmt: skip
+            for i, tokens in zip(taking, results, strict=True):
+                accepted[i] = tokens
+        # a prefill instance's prompts, for the decode instance
+        handed = {
+            self._prompt_block(step.seqs[i]): row
+            for i, row in taking.items()
+            if step.seqs[i].hold_pages
+        }
         if handed:
             self.cache.prompt_hidden[list(handed)] = hidden[list(handed.values())].float()
         return VerifiedStep(step, accepted, hidden, ends, [seq.num_computed for seq in step.seqs])

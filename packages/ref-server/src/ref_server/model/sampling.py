@@ -62,22 +62,26 @@ def sample_on_device(
     if not drawn:  # top-k and top-p always keep the argmax
         return logits.argmax(dim=-1)
     device = logits.device
-    temperature = _to(device, [1.0 if p.greedy else p.temperature for p in params])
-    scores = logits.float() / temperature.unsqueeze(-1)
-    if any(p.top_k or p.top_p < 1 for p in params):
-        scores = _keep_top_k_top_p(scores, params)
+    scores = _scores(logits, params)
     keys = [sampling_key(params[r], positions[r]) for r in drawn]
     scores[_to(device, drawn)] += _gumbel(_to(device, keys), scores.shape[1])
     return scores.argmax(dim=-1)
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws each row of logits `[rows, vocab]` from, float32 (not
-    for greedy params)."""
-    scores = logits.float() / params.temperature
-    if params.top_k or params.top_p < 1:
-        scores = _keep_top_k_top_p(scores, [params] * len(scores))
-    return scores.softmax(dim=-1)
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution `sample` draws each row of logits `[rows, vocab]` from, row i with
+    params[i] (not greedy ones), float32."""
+    return _scores(logits, params).softmax(dim=-1)
+
+
+def _scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row of logits over its temperature (1 for greedy params), -inf outside its top-k
+    and top-p, float32."""
+    temperature = _to(logits.device, [1.0 if p.greedy else p.temperature for p in params])
+    scores = logits.float() / temperature.unsqueeze(-1)
+    if any(p.top_k or p.top_p < 1 for p in params):
+        scores = _keep_top_k_top_p(scores, params)
+    return scores
 
 
 def _to(device: torch.device, values: list) -> torch.Tensor:

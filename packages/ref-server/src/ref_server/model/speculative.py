@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ref_server.model.cache import FP8, PagedKVCache
 from ref_server.model.sampling import (
     SamplingParams,
     probabilities,
-    sample,
+    sample_on_device,
     sampling_key,
     uniform,
 )
@@ -61,14 +62,22 @@ def check_draft_tokens(draft_tokens: int) -> None:
         raise ValueError(f"draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
 
 
-def _key(params: SamplingParams, position: int, stream: int) -> torch.Tensor:
-    return torch.tensor([(sampling_key(params, position) + stream) % 2**63])
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """int64 values on `device`, without waiting for its queue."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _draw(probs: torch.Tensor, params: SamplingParams, position: int, stream: int) -> int:
-    """A token from probs `[vocab]` (unnormalized), by the Gumbel-max trick."""
-    noise = -torch.log(-torch.log(uniform(_key(params, position, stream), len(probs))[0]))
-    return int((probs.double().log() + noise).argmax())
+def _keys(params: list[SamplingParams], positions: list[int], stream: int, device) -> torch.Tensor:
+    """The key of each draw, for positions[i] of a sequence sampled with params[i], in `stream`."""
+    keys = [(sampling_key(p, at) + stream) % 2**63 for p, at in zip(params, positions, strict=True)]
+    return _on(device, keys)
+
+
+def _draws(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """A token from each row of probs `[rows, vocab]` (unnormalized), by the Gumbel-max trick
+    with the row's key: `[rows]` on the device."""
+    noise = -torch.log(-torch.log(uniform(keys, probs.shape[1])))
+    return (probs.double().log() + noise).argmax(dim=-1)
 
 
 def propose(logits: torch.Tensor, params: SamplingParams, position: int):
@@ -76,42 +85,80 @@ def propose(logits: torch.Tensor, params: SamplingParams, position: int):
     `[vocab]` it was drawn from (None for greedy params: the argmax)."""
     if params.greedy:
         return int(logits.argmax()), None
-    q = probabilities(logits.unsqueeze(0), params)[0]
-    return _draw(q, params, position, DRAFT), q
+    q = probabilities(logits.unsqueeze(0), [params])
+    return int(_draws(q, _keys([params], [position], DRAFT, q.device))[0]), q[0]
 
 
 def accept(
     logits: torch.Tensor,
-    drafts: list[int],
-    draft_probs: list[torch.Tensor | None],
-    params: SamplingParams,
-    position: int,
+    first_rows: list[int],
+    drafts: list[list[int]],
+    draft_probs: list[list[torch.Tensor | None]],
+    params: list[SamplingParams],
+    positions: list[int],
     forced_acceptance: float | None = None,
-) -> list[int]:
-    """The tokens a verify step gives one sequence: its accepted drafts and one more. logits
-    `[len(drafts) + 1, vocab]`: the model's at the sequence's newest token and at each draft;
-    drafts: the module's tokens for positions position, position + 1, ...; draft_probs: the q
-    each was drawn from (None for greedy params). forced_acceptance: a benchmark's hook that
-    accepts each draft with this probability whatever the models say (the text is then not
-    the model's)."""
-    greedy = params.greedy
-    p = None if greedy else probabilities(logits, params)
-    for j, (token, q) in enumerate(zip(drafts, draft_probs, strict=True)):
-        at = position + j
-        u = float(uniform(_key(params, at, ACCEPT), 1))
-        if forced_acceptance is not None:
-            kept = u < forced_acceptance
-        elif greedy:
-            kept = token == int(logits[j].argmax())
-        else:
-            kept = u * q[token] < p[j, token]
-        if kept:
-            continue
-        if greedy or forced_acceptance is not None:
-            return drafts[:j] + sample(logits[j : j + 1], [params], [at])
-        residual = (p[j] - q).clamp(min=0)
-        return [*drafts[:j], _draw(residual, params, at, REPLACE)]
-    return drafts + sample(logits[-1:], [params], [position + len(drafts)])
+) -> list[list[int]]:
+    """The tokens a verify step gives each sequence: its accepted drafts and one more. logits
+    `[rows, vocab]`: the model's, sequence i's at its newest token and at each draft in the
+    rows from first_rows[i] on; drafts[i]: its module's tokens for positions positions[i],
+    positions[i] + 1, ...; draft_probs[i]: the q each was drawn from (None for greedy params).
+    forced_acceptance: a benchmark's hook that accepts each draft with this probability
+    whatever the models say (the text is then not the model's). The whole batch is decided on
+    the logits' device and read back once."""
+    device = logits.device
+    rows = [(i, j) for i, d in enumerate(drafts) for j in range(len(d) + 1)]
+    row_params = [params[i] for i, _ in rows]
+    row_positions = [positions[i] + j for i, j in rows]
+    logits = logits[_on(device, [first_rows[i] + j for i, j in rows])]
+    # each row's token after its sequence's drafts before it: the one more token when those are
+    # all kept, and the greedy or forced rule's replacement of its own draft
+    after = sample_on_device(logits, row_params, row_positions)
+    tested = [r for r, (i, j) in enumerate(rows) if j < len(drafts[i])]  # one a draft
+    tested_params = [row_params[r] for r in tested]
+    tested_positions = [row_positions[r] for r in tested]
+    tokens = _on(device, [t for d in drafts for t in d])
+    u = uniform(_keys(tested_params, tested_positions, ACCEPT, device), 1)[:, 0]
+    tested_at = _on(device, tested)
+    replaced = after[tested_at]
+    if forced_acceptance is not None:
+        kept = u < forced_acceptance
+    else:
+        kept = tokens == replaced  # greedy: while the draft is the argmax
+        sampled = [k for k, p in enumerate(tested_params) if not p.greedy]
+        if sampled:
+            q = [draft_probs[i][j] for i, d in enumerate(drafts) for j in range(len(d))]
+            at = _on(device, sampled)
+            kept[at], replaced[at] = _reject(
+                logits[tested_at[at]],
+                tokens[at],
+                torch.stack([q[k] for k in sampled]),
+                u[at],
+                [tested_params[k] for k in sampled],
+                [tested_positions[k] for k in sampled],
+            )
+    outcome = torch.cat([after, replaced, kept.long()]).tolist()
+    after, replaced, kept = (
+        outcome[: len(rows)],
+        outcome[len(rows) : len(rows) + len(tested)],
+        outcome[len(rows) + len(tested) :],
+    )
+    results, row, test = [], 0, 0
+    for d in drafts:
+        n = next((j for j in range(len(d)) if not kept[test + j]), len(d))
+        results.append([*d[:n], replaced[test + n] if n < len(d) else after[row + n]])
+        row, test = row + len(d) + 1, test + len(d)
+    return results
+
+
+def _reject(logits, tokens, q, u, params, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection rule for sampled drafts `tokens` `[m]`, each drawn from its row of q
+    `[m, vocab]` and tested against the logits' row (its uniform draw in u): whether each is
+    kept (u q(x) < p(x)), and its replacement, a draw from max(0, p - q)."""
+    p = probabilities(logits, params)
+    drafted = tokens.unsqueeze(1)
+    kept = u * q.gather(1, drafted)[:, 0] < p.gather(1, drafted)[:, 0]
+    replacement = _draws((p - q).clamp(min=0), _keys(params, positions, REPLACE, logits.device))
+    return kept, replacement
 
 
 @torch.no_grad()
@@ -215,13 +262,14 @@ def generate_speculative(
         new = [tokens[s][computed[s] :] + d for s, d in zip(active, drafts, strict=True)]
         before = [computed[s] for s in active]
         logits, hidden = model.every_row_step(batch_of(active, new, before), cache)
-        going, mtp_new, hidden_rows, row = [], [], [], 0
-        for s, n, d, q, b in zip(active, new, drafts, probs, before, strict=True):
-            known = len(n) - len(d)
-            got = accept(
-                logits[row + known - 1 : row + len(n)], d, q, params, len(tokens[s]),
-                forced_acceptance,
-            )  # fmt: skip
+        ends = np.cumsum([len(n) for n in new]).tolist()  # where each sequence's rows end
+        results = accept(
+            logits, [end - len(d) - 1 for end, d in zip(ends, drafts, strict=True)], drafts,
+            probs, [params] * len(active), [len(tokens[s]) for s in active], forced_acceptance,
+        )  # fmt: skip
+        going, mtp_new, hidden_rows = [], [], []
+        for s, n, d, got, b, end in zip(active, new, drafts, results, before, ends, strict=True):
+            known, row = len(n) - len(d), end - len(n)
             if d:
                 stats.rounds += 1
                 stats.drafted += len(d)
@@ -238,7 +286,6 @@ def generate_speculative(
                 # the module reads each kept row's hidden state with the token after it
                 mtp_new.append(tokens[s][b + 1 : b + kept + 1])
                 hidden_rows += range(row, row + kept)
-            row += len(n)
         active = going
         if not active:
             break
