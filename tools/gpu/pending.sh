@@ -38,7 +38,7 @@ declare -A PENDING=(
   [dsa-step]="bench_dsa.py with top_positions as torch.topk over int64 keys (the stable sort's selection; the sort took 1.86 ms of DSA's 3.32 ms at b128 x 128K on an H100): one V3.2 decode step's attention a layer, dense MLA against DSA over the FP8 cache, batch 32-128, 4K-128K"
   [repro-v32]="ref-server repro --slice v3,v3.2 at decode KV 4,989, 32,768 and 131,072 with MTP at 0.85: rerun for top_positions' torch.topk selection and the sparse kernels' default; first run 0ec8ced on an H100"
   [mtp-bench]="bench_speculative.py with verify and draft through SpeculativeSteps (the decode kernel at s_q = K + 1), eager and from CUDA graphs, against a decode step at batches 1-256, each replay's GPU time; the engine's decode tok/s against forced acceptance for K = 1-3, eager and with REF_SERVER_MTP_GRAPHS=1, and the projected speed-up at 85-90 % (run after ref-model: its graph rows need test_speculative_gpu.py to pass)"
-  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's gpu tests, REF_SERVER_ELASTIC_GPU's path): four ranks sharing the GPU lose one mid-decode (SIGKILL) or mid-prefill (SIGSTOP) and go on over new ep_comm buffers among the others (CUDA IPC, and NVSHMEM started again in the same processes, which may not work); the engine loop and model they changed are in ref-serving's expert-parallel tests too"
+  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's two gpu tests, REF_SERVER_ELASTIC_GPU's path, after building ep_comm's extensions): four ranks sharing the GPU lose rank 2 (SIGKILL, just before its third decode step's graph replays) or rank 0 (SIGSTOP, mid-prefill) and go on over new ep_comm buffers among the others; each test prints every rank's phases (-s) and fails within 100 s naming the state a rank did not reach, so the stage takes at most about 250 s. At 7bc1a51 the kill never came (decode replayed from graphs) and the test hung 300 s; expected now: the survivors' regroup fails with ValueError 'NVSHMEM already runs in this process' (packages/ref-server/NOTES.md)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -80,7 +80,9 @@ ref-model-ab() {
 }
 
 elastic() {
-  python3 -m pytest -q -m gpu packages/ref-server/tests/test_elastic.py
+  # the builds every rank would otherwise wait for within the first test's budget
+  python3 -c 'from ep_comm import extension, nvshmem; extension.load_extension(); nvshmem.build_library()' || return 1
+  python3 -m pytest -v -s -m gpu packages/ref-server/tests/test_elastic.py
 }
 
 mtp-bench() {
