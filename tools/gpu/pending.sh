@@ -39,7 +39,7 @@ declare -A PENDING=(
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (on by default on CUDA now): test_indexer_kernels.py's gpu tests (the kernel now held to logits_error_bound, the FP8 accumulation's error, per logit: at 1e-4 of the largest logit 5 of 7 failed on an H100 at 7bc1a51), then bench_indexer.py on the current kernel (its last run was 25edc27's)"
   [mtp-bench]="bench_speculative.py: rerun after any change to the speculative engine's host path (at 7bc1a51 on an H100 its verify phase took 31-64 ms a round at batch 128 against 15-17 ms replays, and MTP gave 0.72-0.91x plain there)"
-  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's gpu tests, REF_SERVER_ELASTIC_GPU's path): four ranks sharing the GPU lose one mid-decode (SIGKILL) or mid-prefill (SIGSTOP) and go on over new ep_comm buffers among the others (CUDA IPC, and NVSHMEM started again in the same processes, which may not work); the engine loop and model they changed are in ref-serving's expert-parallel tests too"
+  [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's two gpu tests, REF_SERVER_ELASTIC_GPU's path, after building ep_comm's extensions): four ranks sharing the GPU lose rank 2 (SIGKILL, just before its third decode step's graph replays) or rank 0 (SIGSTOP, mid-prefill) and go on over new ep_comm buffers among the others; each test prints every rank's phases (-s) and fails within 100 s naming the state a rank did not reach, so the stage takes at most about 250 s. At 7bc1a51 the kill never came (decode replayed from graphs) and the test hung 300 s; expected now: the survivors' regroup fails with ValueError 'NVSHMEM already runs in this process' (packages/ref-server/NOTES.md)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
 )
 
@@ -81,7 +81,9 @@ ref-model-ab() {
 }
 
 elastic() {
-  "${gpu_pytest[@]}" packages/ref-server/tests/test_elastic.py
+  # the builds every rank would otherwise wait for within the first test's budget
+  python3 -c 'from ep_comm import extension, nvshmem; extension.load_extension(); nvshmem.build_library()' || return 1
+  "${gpu_pytest[@]}" -s packages/ref-server/tests/test_elastic.py
 }
 
 mtp-bench() {
