@@ -172,3 +172,17 @@ def test_an_nvshmem_collective_that_never_returns_raises_and_so_does_every_later
     with pytest.raises(EPCommError, match="unusable in this process since nvshmem_free never"):
         nvshmem.collective(comm, "nvshmem_malloc", operator.add, 1, 1)
     never.set()
+
+
+def test_nvshmem_started_for_one_group_says_why_another_cannot_start(monkeypatch):
+    """NVSHMEM starts once per process: after an instance lost a rank, a Buffer over the ranks
+    left can no longer run on it (the low-latency backend choice reads this reason), the same
+    ranks still can."""
+    monkeypatch.setattr(nvshmem, "_started", {})
+    assert nvshmem.why_not_start((0, 1, 2)) is None
+    monkeypatch.setattr(nvshmem, "_started", {"members": (0, 1, 2, 3)})
+    assert nvshmem.why_not_start((0, 1, 2, 3)) is None
+    assert nvshmem.why_not_start((0, 1, 2)) == (
+        "NVSHMEM already runs in this process for the group of global ranks [0, 1, 2, 3], "
+        "not [0, 1, 2] (it starts once per process)"
+    )

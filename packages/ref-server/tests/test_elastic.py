@@ -159,7 +159,8 @@ def test_an_instance_on_the_gpu_goes_on_over_the_ranks_it_did_not_lose(
     """As on the CPU, the four ranks sharing one GPU: they exchange through ep_comm's cuda
     backends (CUDA IPC for prefill, NVSHMEM for decode, whose steps replay from CUDA graphs:
     the killed rank dies just before its third decode step's replay, the others wait in that
-    step's first exchange)."""
+    step's first exchange); after losing a rank the survivors' decode exchanges go through the
+    torch low-latency backend (NVSHMEM starts once per process), eagerly."""
     check_goes_on(checkpoint, serving, 4, victim, fault, "cuda")
 
 

@@ -142,6 +142,7 @@ class Buffer:
                 from ep_comm import nvshmem
 
                 nvshmem.load()
+                reason = nvshmem.why_not_start(tuple(dist.get_process_group_ranks(self.group)))
             except Exception as error:  # no wheel, no toolkit, a failed build: torch still works
                 reason = f"NVSHMEM is not usable here ({error})"
         verdicts = self._comm.all_gather(

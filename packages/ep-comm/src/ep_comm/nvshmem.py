@@ -201,6 +201,17 @@ def _set_environment(heap_bytes: int) -> None:
         os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_PLUGIN", str(plugin))
 
 
+def why_not_start(members: tuple[int, ...]) -> str | None:
+    """Why NVSHMEM cannot run for a group of these global ranks in this process: it runs for
+    another group already (it starts once per process); None where it can."""
+    if _started and _started["members"] != tuple(members):
+        return (
+            f"NVSHMEM already runs in this process for the group of global ranks "
+            f"{list(_started['members'])}, not {list(members)} (it starts once per process)"
+        )
+    return None
+
+
 def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
     """Start NVSHMEM on the current CUDA device with every rank of `comm` as a PE (once per
     process; later calls check they ask for the same world). `heap_bytes`: what this process
@@ -208,12 +219,9 @@ def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
     lib = load()
     members = tuple(dist.get_process_group_ranks(comm.group))
     if _started:
-        if _started["members"] != members:
-            raise ValueError(
-                f"NVSHMEM already runs in this process for the group of global ranks "
-                f"{list(_started['members'])}; a low-latency Buffer over {list(members)} "
-                "needs the same group (NVSHMEM starts once per process)"
-            )
+        why = why_not_start(members)
+        if why:
+            raise ValueError(f"a low-latency Buffer with the cuda backend cannot start: {why}")
         return lib
     _set_environment(heap_bytes)
     id_bytes = lib.ep_ll_unique_id_bytes()
