@@ -255,17 +255,17 @@ def layout_traffic(name: str, zipf: float | None, seed: int) -> dict:
     )
 
 
-LAYOUT_ROWS = (  # (key, what the table says, scale)
-    ("copies", "copies moved", 1),
-    ("from_local", "  from a slot of the same GPU", 1),
-    ("from_nvlink", "  from a survivor of the node (NVLink)", 1),
-    ("from_rdma", "  from a survivor of another node (RDMA)", 1),
-    ("from_checkpoint", "  from the checkpoint", 1),
-    ("only_on_lost_rank", "experts only the lost rank held", 1),
-    ("bytes_per_layer", "GB over links, a layer", 1e-9),
-    ("bytes", "GB over links, all layers", 1e-9),
-    ("busiest_survivor_bytes", "GB into the busiest survivor", 1e-9),
-    ("seconds", "seconds at the link rates", 1),
+LAYOUT_ROWS = (  # (key, what the table says, scale, format)
+    ("copies", "copies moved", 1, ",g"),
+    ("from_local", "  from a slot of the same GPU", 1, ",g"),
+    ("from_nvlink", "  from a survivor of the node (NVLink)", 1, ",g"),
+    ("from_rdma", "  from a survivor of another node (RDMA)", 1, ",g"),
+    ("from_checkpoint", "  from the checkpoint", 1, ",g"),
+    ("only_on_lost_rank", "experts only the lost rank held", 1, ",g"),
+    ("bytes_per_layer", "GB over links, a layer", 1e-9, ".2f"),
+    ("bytes", "GB over links, all layers", 1e-9, ".1f"),
+    ("busiest_survivor_bytes", "GB into the busiest survivor", 1e-9, ".2f"),
+    ("seconds", "seconds at the link rates", 1, ".3f"),
 )
 
 
@@ -277,10 +277,10 @@ def print_layouts(documents: list[dict]) -> None:
         print(f"\n{doc['layout']}: {doc['gpus']} GPUs on {doc['nodes']} nodes, {doc['slots']} "
               f"slots ({doc['slots_per_gpu']} a GPU), {doc['moe_layers']} MoE layers, "
               f"{doc['expert_bytes']:,} B an expert, load {doc['load']}")  # fmt: skip
-        for key, label, scale in LAYOUT_ROWS:
+        for key, label, scale, form in LAYOUT_ROWS:
             values = np.array([victim[key] for victim in doc["victims"]]) * scale
-            low, middle, high = np.min(values), np.median(values), np.max(values)
-            print(f"  {label:42} {low:10.4g} {middle:10.4g} {high:10.4g}")
+            spread = (np.min(values), np.median(values), np.max(values))
+            print(f"  {label:42}" + "".join(f" {value:>10{form}}" for value in spread))
     for link, term in RATES.items():
         print(f"{link}: {term.value / 1e9:g} GB/s, {term.source}: {term.note}")
 
