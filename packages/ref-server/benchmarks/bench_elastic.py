@@ -1,8 +1,11 @@
 """A decode rank lost mid-stream on the CPU: how long until the instance serves again, and how
-many requests it loses, elastic (`--elastic`) or restarted whole by the supervisor.
+many requests it loses, elastic (`--elastic`) or restarted whole by the supervisor; or, with
+`--layouts`, the expert copies an elastic instance moves when it loses a rank at DeepSeek's
+layouts, computed from the placement (no server runs).
 
     python benchmarks/bench_elastic.py [--ranks 2,4] [--modes elastic,restart]
                                        [--streams-per-rank 3] [--max-tokens 200] [--json PATH]
+    python benchmarks/bench_elastic.py --layouts ep32,ep144 [--zipf 1.0] [--seed 0] [--json PATH]
 
 For each rank count R and mode: `serve --role all --ranks R` on loopback (the tiny preset on
 the CPU, a prefill and a decode instance of R ranks, health checked every 0.25 s); R x
@@ -18,6 +21,16 @@ runs some, the last decode rank's process is killed (SIGKILL). Then:
 
 The goal (the issue's) is serving again within 10 s of the loss on the CPU. On a shared
 machine the figures move with its load: the table says the load average.
+
+`--layouts`: DeepSeek-V3 (the `v3` preset, FP8 experts) at prefill EP32 and decode EP144 (288
+expert slots; 8 GPUs a node), each rank lost in turn. The survivors' new placement is the one
+`serve --elastic` computes (`regroup_placement`) and its copies are `plan_moves`'; each copy
+comes from a slot of the same GPU, a survivor of the same node (NVLink), one of another node
+(RDMA) or the checkpoint. Two loads: "even" (the default placement, no EPLB) and "zipf"
+(EPLB's placement of Zipf(--zipf) loads, each layer's shuffled, by which the survivors are
+placed again). The time is the bytes at the link rates below (published or assumed, not
+measured), layer after layer as `regroup_experts` moves them: per layer the busiest GPU's
+NVLink or RDMA direction, whichever is slower, then its checkpoint reads.
 """
 
 from __future__ import annotations
@@ -31,12 +44,33 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
+import torch
 
+from ref_server.balance import rebalance_experts
 from ref_server.client import Client
+from ref_server.model import PRESETS
+from ref_server.model.expert_location import default_placement
+from ref_server.model.expert_rebalance import expert_tensors, plan_moves, regroup_placement
+from ref_server.model.fp8 import FP8Experts
+from ref_server.repro import published
+from ref_server.repro.run import zipf_loads
+from ref_server.repro.shapes import DECODE_EP144, PREFILL_EP32
+from ref_server.repro.terms import Term
 from ref_server.services.config import ServeConfig
 from ref_server.services.deployment import Deployment, free_port
 
 GOAL_S = 10.0
+LAYOUTS = {"ep32": PREFILL_EP32, "ep144": DECODE_EP144}
+SOURCES = ("local", "nvlink", "rdma", "checkpoint")  # where a survivor's new copy comes from
+HOST_TO_GPU = Term(
+    "host_to_gpu",
+    25e9,
+    "B/s",
+    "assumed",
+    "a checkpoint read from the page cache over PCIe 5 x16 (64 GB/s peak); from disk, slower",
+)
+RATES = {"nvlink": published.H800_NVLINK, "rdma": published.CX7_RDMA, "checkpoint": HOST_TO_GPU}
 
 
 def measure(ranks: int, elastic: bool, streams_per_rank: int, max_tokens: int) -> dict:
@@ -116,14 +150,176 @@ def _served_after(client: Client, since: float) -> float:
             time.sleep(0.05)
 
 
+def expert_slot_bytes(args) -> int:
+    """One routed expert's bytes as an FP8 instance holds and moves it (`FP8Experts`' e4m3
+    weights and fp32 128 x 128 block scales)."""
+    with torch.device("meta"):
+        experts = FP8Experts(1, args.hidden_size, args.moe_intermediate_size)
+    return sum(t[0].numel() * t.element_size() for t in expert_tensors(experts))
+
+
+def lost_rank_copies(old, gpus: int, victim: int, gpus_per_node: int, num_groups: int, load=None):
+    """The expert copies the survivors take in when rank `victim` of `gpus` (rank r on node
+    r // gpus_per_node) is lost from an instance holding placement `old` (`[layers, P]`, every
+    expert in a slot), placed again by `load` (`[layers, E]`; None: even) as `serve --elastic`
+    places them: (received `[layers, survivors, 4]`, the copies each survivor gets from each of
+    SOURCES; sent `[layers, survivors, 2]`, those it sends over NVLink and over RDMA)."""
+    old = np.asarray(old)
+    survivors = [r for r in range(gpus) if r != victim]
+    kept, new = regroup_placement(
+        old, survivors, old.shape[1] // gpus, int(old.max()) + 1, num_groups, load
+    )
+    per_rank = kept.shape[1] // len(survivors)
+    node = np.array(survivors) // gpus_per_node
+    received = np.zeros((len(old), len(survivors), len(SOURCES)), dtype=np.int64)
+    sent = np.zeros((len(old), len(survivors), 2), dtype=np.int64)
+    for layer in range(len(old)):
+        for move in plan_moves(kept[layer], new[layer], len(survivors), reload=True):
+            to = move.to // per_rank
+            if move.source is None:
+                received[layer, to, SOURCES.index("checkpoint")] += 1
+                continue
+            source = move.source // per_rank
+            link = "local" if source == to else "nvlink" if node[source] == node[to] else "rdma"
+            received[layer, to, SOURCES.index(link)] += 1
+            if link != "local":
+                sent[layer, source, SOURCES.index(link) - 1] += 1
+    return received, sent
+
+
+def only_on(old, gpus: int, victim: int) -> int:
+    """Over the layers of placement `old` (`[layers, P]`), the experts no rank but `victim`
+    holds: the fewest copies that must come from the checkpoint when it is lost."""
+    old = np.asarray(old)
+    per_rank = old.shape[1] // gpus
+    lost = np.arange(victim * per_rank, (victim + 1) * per_rank)
+    rest = np.delete(old, lost, axis=1)
+    return sum(len(set(o[lost].tolist()) - set(r.tolist())) for o, r in zip(old, rest, strict=True))
+
+
+def traffic(received, sent, slot_bytes: int) -> dict:
+    """What a lost rank's copies (`lost_rank_copies`) move: copies by source, bytes over the
+    links (NVLink, RDMA and checkpoint reads; local copies stay in a GPU's memory), the bytes
+    the busiest survivor takes in, and the seconds at RATES, layer after layer."""
+    copies = received.sum((0, 1))
+    over_links = received[..., 1:] * slot_bytes
+    nvlink = np.maximum(received[..., 1], sent[..., 0]) * slot_bytes / RATES["nvlink"].value
+    rdma = np.maximum(received[..., 2], sent[..., 1]) * slot_bytes / RATES["rdma"].value
+    reads = received[..., 3] * slot_bytes / RATES["checkpoint"].value
+    seconds = np.maximum(nvlink, rdma).max(1) + reads.max(1)
+    return dict(
+        copies=int(copies.sum()),
+        **{f"from_{source}": int(n) for source, n in zip(SOURCES, copies, strict=True)},
+        bytes_per_layer=float(over_links.sum() / len(received)),
+        bytes=int(over_links.sum()),
+        busiest_survivor_bytes=int(over_links.sum((0, 2)).max()),
+        seconds=float(seconds.sum()),
+    )
+
+
+def layout_traffic(name: str, zipf: float | None, seed: int) -> dict:
+    """Every rank of DeepSeek's layout `name` lost in turn, its survivors' copies (`traffic`
+    of each); zipf None: the default placement, placed again evenly; else EPLB's placement of
+    Zipf(zipf) loads, by which the survivors are placed again."""
+    args, point = PRESETS["v3"], LAYOUTS[name]
+    gpus, slots, layers = point.gpus, point.physical_experts, args.num_moe_layers
+    per_node = int(published.GPUS_PER_NODE.value)
+    old = np.tile(default_placement(args.n_routed_experts, slots).numpy(), (layers, 1))
+    load = None
+    if zipf is not None:
+        pairs = gpus * point.tokens_per_gpu * args.num_experts_per_tok
+        load = zipf_loads(layers, args.n_routed_experts, pairs, zipf, seed)
+        old = rebalance_experts(load, slots, args.n_group, 1, gpus, previous=old).phy2log
+    # layers alike (placement and load) are placed alike: each kind is computed once
+    rows = old if load is None else np.concatenate([old, load], axis=1)
+    _, first, kind = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    kind = kind.reshape(-1)
+    slot_bytes = expert_slot_bytes(args)
+    victims = []
+    for victim in range(gpus):
+        received, sent = lost_rank_copies(
+            old[first], gpus, victim, per_node, args.n_group, None if load is None else load[first]
+        )
+        row = traffic(received[kind], sent[kind], slot_bytes)
+        victims.append(dict(lost_rank=victim, only_on_lost_rank=only_on(old, gpus, victim), **row))
+    return dict(
+        layout=name,
+        gpus=gpus,
+        nodes=gpus // per_node,
+        slots=slots,
+        slots_per_gpu=slots // gpus,
+        moe_layers=layers,
+        load="even" if zipf is None else f"zipf {zipf:g}, seed {seed}",
+        expert_bytes=slot_bytes,
+        victims=victims,
+    )
+
+
+LAYOUT_ROWS = (  # (key, what the table says, scale, format)
+    ("copies", "copies moved", 1, ",g"),
+    ("from_local", "  from a slot of the same GPU", 1, ",g"),
+    ("from_nvlink", "  from a survivor of the node (NVLink)", 1, ",g"),
+    ("from_rdma", "  from a survivor of another node (RDMA)", 1, ",g"),
+    ("from_checkpoint", "  from the checkpoint", 1, ",g"),
+    ("only_on_lost_rank", "experts only the lost rank held", 1, ",g"),
+    ("bytes_per_layer", "GB over links, a layer", 1e-9, ".2f"),
+    ("bytes", "GB over links, all layers", 1e-9, ".1f"),
+    ("busiest_survivor_bytes", "GB into the busiest survivor", 1e-9, ".2f"),
+    ("seconds", "seconds at the link rates", 1, ".3f"),
+)
+
+
+def print_layouts(documents: list[dict]) -> None:
+    print("A rank lost from DeepSeek-V3 at DeepSeek's layouts: the expert copies serve --elastic "
+          "moves, computed from the placement (not measured); over all MoE layers unless "
+          "'a layer'; min / median / max over the lost rank")  # fmt: skip
+    for doc in documents:
+        print(f"\n{doc['layout']}: {doc['gpus']} GPUs on {doc['nodes']} nodes, {doc['slots']} "
+              f"slots ({doc['slots_per_gpu']} a GPU), {doc['moe_layers']} MoE layers, "
+              f"{doc['expert_bytes']:,} B an expert, load {doc['load']}")  # fmt: skip
+        for key, label, scale, form in LAYOUT_ROWS:
+            values = np.array([victim[key] for victim in doc["victims"]]) * scale
+            spread = (np.min(values), np.median(values), np.max(values))
+            print(f"  {label:42}" + "".join(f" {value:>10{form}}" for value in spread))
+    for link, term in RATES.items():
+        print(f"{link}: {term.value / 1e9:g} GB/s, {term.source}: {term.note}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--modes", default="elastic,restart")
     parser.add_argument("--streams-per-rank", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument(
+        "--layouts", help=f"of {', '.join(LAYOUTS)}: compute their copies instead of serving"
+    )
+    parser.add_argument("--zipf", type=float, default=1.0, help="--layouts' skewed load")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     options = parser.parse_args()
+    if options.layouts:
+        compute_layouts(options)
+    else:
+        lose_a_rank(options)
+
+
+def compute_layouts(options) -> None:
+    names = options.layouts.split(",")
+    unknown = sorted(set(names) - set(LAYOUTS))
+    if unknown:
+        raise SystemExit(f"unknown layouts {unknown}; layouts: {', '.join(LAYOUTS)}")
+    documents = [
+        layout_traffic(n, zipf, options.seed) for n in names for zipf in (None, options.zipf)
+    ]
+    print_layouts(documents)
+    if options.json:
+        rates = {link: term.to_json() for link, term in RATES.items()}
+        document = dict(computed="from the placement, not measured", rates=rates, layouts=documents)
+        Path(options.json).write_text(json.dumps(document, indent=1))
+
+
+def lose_a_rank(options) -> None:
     rows = []
     for ranks in [int(r) for r in options.ranks.split(",")]:
         for mode in options.modes.split(","):

@@ -135,21 +135,34 @@ def keep_in_place(phy2log, logcnt, previous, num_gpus: int, num_nodes: int) -> P
 def _match_gpus(new, old, gpus) -> list[tuple[int, int]]:
     """(new GPU, position) pairs over one node's GPUs, the pairs with the most experts in common
     first (ties: lower GPUs first)."""
-    common = {(a, b): _in_common(new[a], old[b]) for a in gpus for b in gpus}
+    gpus = np.asarray(gpus)
+    experts = int(max(new.max(), old.max())) + 1
+    common = _in_common(_expert_counts(new[gpus], experts), _expert_counts(old[gpus], experts))
+    order = np.unravel_index(np.argsort(-common, axis=None, kind="stable"), common.shape)
     pairs, used_new, used_old = [], set(), set()
-    for (a, b), _ in sorted(common.items(), key=lambda item: -item[1]):
+    for a, b in zip(gpus[order[0]].tolist(), gpus[order[1]].tolist(), strict=True):
         if a not in used_new and b not in used_old:
             pairs.append((a, b))
             used_new.add(a)
             used_old.add(b)
+            if len(pairs) == len(gpus):
+                break
     return pairs
 
 
-def _in_common(a: np.ndarray, b: np.ndarray) -> int:
-    """How many experts two GPUs' slot lists share, counting replicas."""
-    values, counts = np.unique(a, return_counts=True)
-    other = dict(zip(*np.unique(b, return_counts=True), strict=True))
-    return int(sum(min(c, other.get(v, 0)) for v, c in zip(values, counts, strict=True)))
+def _expert_counts(slots: np.ndarray, experts: int) -> np.ndarray:
+    """`[GPUs, experts]`: how many slots of each GPU hold each expert (-1, empty: none)."""
+    counts = np.zeros((len(slots), experts), dtype=np.int32)
+    rows = np.broadcast_to(np.arange(len(slots))[:, None], slots.shape)
+    held = slots >= 0
+    np.add.at(counts, (rows[held], slots[held]), 1)
+    return counts
+
+
+def _in_common(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`[GPUs of a, GPUs of b]`: how many experts each pair of GPUs' slot lists share, counting
+    replicas (a, b: `_expert_counts`)."""
+    return np.minimum(a[:, None, :], b[None, :, :]).sum(-1)
 
 
 def _keep_slots(new: np.ndarray, old: np.ndarray) -> np.ndarray:

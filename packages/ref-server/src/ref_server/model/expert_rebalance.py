@@ -165,34 +165,56 @@ def kept_slots(old, survivors: list[int], before: int, per_rank: int) -> torch.T
     return kept
 
 
+def regroup_placement(
+    old, survivors: list[int], before: int, num_logical: int, num_groups: int, load=None
+):
+    """The placements of an instance's MoE layers once it lost ranks: (kept, new), int64
+    `[layers, len(survivors) * per_rank]`. old `[layers, P]`: the slots' experts now, `before`
+    a rank; survivor i (rank survivors[i] before) keeps its slots and gets as many more as the
+    experts need (per_rank: at least num_logical / survivors); kept: the survivors' slots before
+    anything moves (`kept_slots`), new: `rebalance_experts`' placement of them by load
+    (`[layers or fewer, num_logical]`, the layers past it even; None: even), keeping in place
+    what it can."""
+    old = np.asarray(old)
+    ranks = len(survivors)
+    per_rank = max(before, -(-num_logical // ranks))
+    weight = np.ones((len(old), num_logical))
+    if load is not None and np.asarray(load).any():
+        weight[: len(load)] = load
+    kept = np.stack([kept_slots(o, survivors, before, per_rank).numpy() for o in old])
+    placement = rebalance_experts(weight, per_rank * ranks, num_groups, 1, ranks, previous=kept)
+    return kept, placement.phy2log
+
+
 def regroup_experts(model, survivors: list[int], group: dist.ProcessGroup, load=None) -> Moved:
     """After an instance lost ranks: its MoE layers' slots over `group`, whose rank i was rank
-    survivors[i] before. Each survivor keeps its slots and gets as many more as the experts need
-    (at least E / survivors); `rebalance_experts` places every layer's slots over the survivors
-    by load (`[MoE layers, E]`, the same on every rank; None: even), keeping in place what it
-    can; weights come as `_move` says, those of experts no survivor holds from where the model's
-    came (`ref_server.model.checkpoint.reload_experts`). The survivors call it together."""
+    survivors[i] before, placed as `regroup_placement` says by load (`[MoE layers, E]`, the same
+    on every rank; None: even; the MTP module's layer, past the model's, stays even); weights
+    come as `_move` says, those of experts no survivor holds from where the model's came
+    (`ref_server.model.checkpoint.reload_experts`). The survivors call it together."""
     layers = model.moe_layers() + ([model.mtp.mlp] if model.mtp else [])
     location = layers[0].location
     if location is None:
         raise ValueError("placing experts over fewer ranks needs a model built with expert slots")
-    before = layers[0].experts.num_experts
-    ranks = len(survivors)
-    per_rank = max(before, -(-location.num_logical // ranks))
-    even = np.ones((len(layers), location.num_logical))
-    if load is not None and np.asarray(load).any():
-        even[: len(load)] = load  # the MTP module's layer, past the model's, stays even
-    kept = [kept_slots(m.location.physical_to_logical, survivors, before, per_rank) for m in layers]
-    placement = rebalance_experts(
-        even, per_rank * ranks, model.args.n_group, 1, ranks, previous=torch.stack(kept).numpy()
+    current = np.stack([m.location.physical_to_logical.cpu().numpy() for m in layers])
+    kept, placement = regroup_placement(
+        current,
+        survivors,
+        layers[0].experts.num_experts,
+        location.num_logical,
+        model.args.n_group,
+        load,
     )
+    ranks = len(survivors)
+    per_rank = kept.shape[1] // ranks
     model.expert_parallel.regroup(group, per_rank * ranks)
     moved = Moved()
-    for moe, old, new in zip(layers, kept, placement.phy2log, strict=True):
+    for moe, old, new in zip(layers, kept, placement, strict=True):
         resize_slots(moe.experts, per_rank)
         moe.first_slot = group.rank() * per_rank
         device = moe.location.load.device
         moe.location = ExpertLocation(location.num_logical, per_rank * ranks, ranks).to(device)
+        old = torch.from_numpy(old)
         moved += _move(moe, old, new, group, lambda m, experts: reload_experts(model, m, experts))
     source = model.weights_from
     source = f"the checkpoint {source}" if isinstance(source, Path) else f"seed {source}"

@@ -157,3 +157,9 @@ DENSE_BF16_TENSOR = _term(
 H800_NVLINK = _term(
     "h800_nvlink_per_direction", 160e9, "B/s", "usable per direction on H800, DeepEP README"
 )
+CX7_RDMA = _term(
+    "cx7_rdma_per_gpu",
+    50e9,
+    "B/s",
+    "one 400 Gb/s ConnectX-7 InfiniBand card per H800, ~50 GB/s at most; DeepEP README",
+)
