@@ -158,7 +158,7 @@ def expert_slot_bytes(args) -> int:
     return sum(t[0].numel() * t.element_size() for t in expert_tensors(experts))
 
 
-def lost_rank_copies(old, gpus: int, victim: int, gpus_per_node: int, num_groups: int, load=None):
+def lost_rank_copies(old, gpus: int, victim: int, gpus_per_node: int, load=None):
     """The expert copies the survivors take in when rank `victim` of `gpus` (rank r on node
     r // gpus_per_node) is lost from an instance holding placement `old` (`[layers, P]`, every
     expert in a slot), placed again by `load` (`[layers, E]`; None: even) as `serve --elastic`
@@ -166,9 +166,7 @@ def lost_rank_copies(old, gpus: int, victim: int, gpus_per_node: int, num_groups
     SOURCES; sent `[layers, survivors, 2]`, those it sends over NVLink and over RDMA)."""
     old = np.asarray(old)
     survivors = [r for r in range(gpus) if r != victim]
-    kept, new = regroup_placement(
-        old, survivors, old.shape[1] // gpus, int(old.max()) + 1, num_groups, load
-    )
+    kept, new = regroup_placement(old, survivors, old.shape[1] // gpus, int(old.max()) + 1, load)
     per_rank = kept.shape[1] // len(survivors)
     node = np.array(survivors) // gpus_per_node
     received = np.zeros((len(old), len(survivors), len(SOURCES)), dtype=np.int64)
@@ -238,7 +236,7 @@ def layout_traffic(name: str, zipf: float | None, seed: int) -> dict:
     victims = []
     for victim in range(gpus):
         received, sent = lost_rank_copies(
-            old[first], gpus, victim, per_node, args.n_group, None if load is None else load[first]
+            old[first], gpus, victim, per_node, None if load is None else load[first]
         )
         row = traffic(received[kind], sent[kind], slot_bytes)
         victims.append(dict(lost_rank=victim, only_on_lost_rank=only_on(old, gpus, victim), **row))

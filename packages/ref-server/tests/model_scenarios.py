@@ -666,7 +666,7 @@ def survivors_take_the_lost_ranks_experts(
 ) -> None:
     """Three ranks of 3 slots (8 experts, expert 3 twice: on rank 1 and rank 2) lose rank 1:
     ranks 0 and 2 regroup, each keeping its slots and getting a fourth. Every slot then holds
-    its expert's weights (3 from rank 2's replica, 4 and 5 again from the checkpoint, or from
+    its expert's weights (3 stays on rank 2, 4 and 5 come again from the checkpoint, or from
     the seed of a preset's random weights), the placement holds every expert, and the logits
     over the two equal one process's. source: "checkpoint" or "seed"."""
     from ref_server.model.expert_rebalance import regroup_experts

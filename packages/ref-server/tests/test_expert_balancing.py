@@ -14,7 +14,7 @@ from ep_comm.testing import run_ranks
 from ref_server.balance import read_placement, write_placement
 from ref_server.engine import Engine, EplbConfig, ExpertBalancer, SchedulerConfig
 from ref_server.model.expert_location import ExpertLocation, default_placement
-from ref_server.model.expert_rebalance import Move, plan_moves
+from ref_server.model.expert_rebalance import Move, place_lost_experts, plan_moves
 
 SCENARIOS = str(Path(__file__).with_name("model_scenarios.py"))
 
@@ -111,6 +111,19 @@ def test_moves_copy_locally_first_then_ride_then_spread_over_the_holders():
     assert plan_moves([0, 1], [0, 1], ranks=1) == []
     with pytest.raises(ValueError, match="expert 2 has no slot"):
         plan_moves([0, 1], [0, 2], ranks=1)
+
+
+def test_lost_experts_go_to_empty_slots_then_in_place_of_the_lightest_copies():
+    """Heaviest first, each on the rank with the least load a copy: expert 5 (load 9) to
+    rank 0's empty slot, 4 (load 5) to rank 1's; without empty slots, expert 3 replaces a copy
+    of expert 2 (held three times: the lightest a copy), on rank 1."""
+    load = np.array([1, 1, 1, 1, 5, 9, 1, 1], dtype=float)
+    kept = np.array([0, 1, 2, -1, 6, 7, 3, -1])
+    assert place_lost_experts(kept, load, 4).tolist() == [0, 1, 2, 5, 6, 7, 3, 4]
+    assert kept.tolist() == [0, 1, 2, -1, 6, 7, 3, -1]  # not changed in place
+    full = np.array([0, 1, 1, 2, 2, 2])
+    assert place_lost_experts(full, np.ones(4), 3).tolist() == [0, 1, 1, 3, 2, 2]
+    assert place_lost_experts(np.array([0, 1, 2, 3]), np.ones(4), 2).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("world", [1, 2])

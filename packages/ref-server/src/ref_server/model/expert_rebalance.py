@@ -15,10 +15,11 @@ routing tables change in place, so captured CUDA graphs replay the new placement
 receive.
 
 When an instance loses ranks (`regroup_experts`), the survivors keep the slots they hold, each
-gets as many more as every expert needs a slot among them, and `rebalance_experts` places the
-slots over the survivors' count, keeping in place what it can. An expert a lost rank held goes
-where the placement puts it: from a survivor's replica where one holds it, else from where the
-model's weights came (its checkpoint, or a preset's seed).
+gets as many more as every expert needs a slot among them, and only the experts no survivor
+holds move: each into an empty slot or in place of a redundant copy (`place_lost_experts`),
+from where the model's weights came (its checkpoint, or a preset's seed). Placing every slot
+over the survivors again would move most of them (at DeepSeek's EP32, ~600 GB to recover
+~20 GB of lost experts); EPLB rebalances the survivors afterwards as it does any load.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ref_server.balance import rebalance_experts
 from ref_server.model.checkpoint import reload_experts
 from ref_server.model.expert_location import ExpertLocation, check_placement
 
@@ -165,16 +165,14 @@ def kept_slots(old, survivors: list[int], before: int, per_rank: int) -> torch.T
     return kept
 
 
-def regroup_placement(
-    old, survivors: list[int], before: int, num_logical: int, num_groups: int, load=None
-):
+def regroup_placement(old, survivors: list[int], before: int, num_logical: int, load=None):
     """The placements of an instance's MoE layers once it lost ranks: (kept, new), int64
     `[layers, len(survivors) * per_rank]`. old `[layers, P]`: the slots' experts now, `before`
     a rank; survivor i (rank survivors[i] before) keeps its slots and gets as many more as the
     experts need (per_rank: at least num_logical / survivors); kept: the survivors' slots before
-    anything moves (`kept_slots`), new: `rebalance_experts`' placement of them by load
-    (`[layers or fewer, num_logical]`, the layers past it even; None: even), keeping in place
-    what it can."""
+    anything moves (`kept_slots`), new: kept with the experts only lost ranks held put in
+    (`place_lost_experts`, by load `[layers or fewer, num_logical]`, the layers past it even;
+    None: even). Nothing else moves: EPLB balances the survivors later, as it does any load."""
     old = np.asarray(old)
     ranks = len(survivors)
     per_rank = max(before, -(-num_logical // ranks))
@@ -182,8 +180,30 @@ def regroup_placement(
     if load is not None and np.asarray(load).any():
         weight[: len(load)] = load
     kept = np.stack([kept_slots(o, survivors, before, per_rank).numpy() for o in old])
-    placement = rebalance_experts(weight, per_rank * ranks, num_groups, 1, ranks, previous=kept)
-    return kept, placement.phy2log
+    new = np.stack([place_lost_experts(k, w, per_rank) for k, w in zip(kept, weight, strict=True)])
+    return kept, new
+
+
+def place_lost_experts(kept: np.ndarray, load: np.ndarray, per_rank: int) -> np.ndarray:
+    """kept `[slots]` (-1: an empty slot) with every expert of load `[E]` it lacks put in,
+    heaviest first: into an empty slot, else in place of a copy of an expert held more than
+    once, the lightest per copy; among those, on the rank with the least load per copy. There
+    is always one while slots >= E."""
+    placement = kept.copy()
+    held = set(placement[placement >= 0].tolist())
+    for expert in np.argsort(-load, kind="stable"):
+        if expert in held:
+            continue
+        copies = np.bincount(placement[placement >= 0], minlength=len(load))
+        per_copy = np.where(placement >= 0, load[placement] / np.maximum(copies[placement], 1), 0)
+        rank_load = per_copy.reshape(-1, per_rank).sum(axis=1)
+        candidates = np.flatnonzero(placement < 0)
+        if not candidates.size:
+            candidates = np.flatnonzero(copies[placement] > 1)
+            candidates = candidates[per_copy[candidates] == per_copy[candidates].min()]
+        placement[candidates[np.argmin(rank_load[candidates // per_rank])]] = expert
+        held.add(int(expert))
+    return placement
 
 
 def regroup_experts(model, survivors: list[int], group: dist.ProcessGroup, load=None) -> Moved:
@@ -198,12 +218,7 @@ def regroup_experts(model, survivors: list[int], group: dist.ProcessGroup, load=
         raise ValueError("placing experts over fewer ranks needs a model built with expert slots")
     current = np.stack([m.location.physical_to_logical.cpu().numpy() for m in layers])
     kept, placement = regroup_placement(
-        current,
-        survivors,
-        layers[0].experts.num_experts,
-        location.num_logical,
-        model.args.n_group,
-        load,
+        current, survivors, layers[0].experts.num_experts, location.num_logical, load
     )
     ranks = len(survivors)
     per_rank = kept.shape[1] // ranks
