@@ -30,7 +30,8 @@ they form a new group over which the lost ranks' experts are placed anew (`Engin
 Requests keep their state and the failed step runs again (it changed none), so they complete
 with the tokens they would have had; only a step that fails again with every rank there,
 which they may be the cause of, ends them with the error. Those of a lost rank were in its
-process.
+process. A lost member that comes back (`serve --join`) is admitted between two steps, all
+ranks at the same one: the per-step agreement carries it (`Membership.joiner`, `_admit`).
 """
 
 from __future__ import annotations
