@@ -166,7 +166,9 @@ def lost_rank_copies(old, gpus: int, victim: int, gpus_per_node: int, load=None)
     SOURCES; sent `[layers, survivors, 2]`, those it sends over NVLink and over RDMA)."""
     old = np.asarray(old)
     survivors = [r for r in range(gpus) if r != victim]
-    kept, new = regroup_placement(old, survivors, old.shape[1] // gpus, int(old.max()) + 1, load)
+    before = old.shape[1] // gpus
+    per_rank = max(before, -(-(int(old.max()) + 1) // len(survivors)))
+    kept, new = regroup_placement(old, survivors, before, per_rank, load)
     per_rank = kept.shape[1] // len(survivors)
     node = np.array(survivors) // gpus_per_node
     received = np.zeros((len(old), len(survivors), len(SOURCES)), dtype=np.int64)

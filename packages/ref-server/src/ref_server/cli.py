@@ -59,7 +59,7 @@ SETTING_GROUPS = {
         "eplb_save",
     ),
     "ranks (one instance over several processes)": (
-        "ranks", "rank", "group_address", "group_timeout_s", "group_store", "elastic",
+        "ranks", "rank", "group_address", "group_timeout_s", "group_store", "elastic", "join",
         "failure_timeout_s",
     ),
     "security": ("api_key_file", "isolate_cache", "tls_cert", "tls_key", "internal_secret_file"),
@@ -94,7 +94,7 @@ CHOICES = {
     "group_store": GROUP_STORES,
 }
 # `demo` always runs --role all, which sets these itself for its processes.
-NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address", "group_store")
+NOT_FOR_DEMO = ("role", "rank", "prefill", "decode", "group_address", "group_store", "join")
 DEMO_DEFAULTS = {"port": "a free port", "http_port": "a free port", "log_level": "warning"}
 
 SERVE_DESCRIPTION = """\

@@ -255,11 +255,12 @@ class Engine:
         """Drop the instance's process group (some of its ranks are lost): see `regroup`."""
         self.runner.leave_group()
 
-    def regroup(self, group, survivors: list[int]) -> Moved | None:
-        """Go on over `group`, the ranks left, rank i having been rank survivors[i]: the lost
-        ranks' experts re-placed over them (what moved; None when no rank was lost). The
-        sequences keep their state: a step that failed had not changed it, and runs again."""
-        return self.runner.regroup(group, survivors)
+    def regroup(self, group, sources: list[int | None]) -> Moved | None:
+        """Go on over `group`, the ranks left or those with a joining one, rank i having been
+        rank sources[i] (None: joining): the experts re-placed over them (what moved; None
+        when the ranks did not change). The sequences keep their state: a step that failed
+        had not changed it, and runs again."""
+        return self.runner.regroup(group, sources)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (tests and offline use)."""

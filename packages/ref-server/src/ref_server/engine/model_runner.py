@@ -512,17 +512,18 @@ class ModelRunner:
         self.decode_graphs = None
         self.expert_parallel.leave()
 
-    def regroup(self, group: dist.ProcessGroup, survivors: list[int]) -> Moved | None:
-        """After `leave_group`: the exchange over `group`, whose rank i was rank survivors[i]
-        before, the experts of lost ranks placed over it (`regroup_experts`; None when no rank
-        was lost), the decode graphs captured anew. Every rank of group together."""
+    def regroup(self, group: dist.ProcessGroup, sources: list[int | None]) -> Moved | None:
+        """After `leave_group` (or on a rank joining a running instance): the exchange over
+        `group`, whose rank i was rank sources[i] before (None: a joining rank), the experts
+        placed over it where its ranks changed (`regroup_experts`; None when they did not),
+        the decode graphs captured anew. Every rank of group together."""
         ep, balancer = self.expert_parallel, self.expert_balancer
-        if len(survivors) == ep.rank_and_size[1]:
+        if sources == list(range(ep.rank_and_size[1])):
             ep.regroup(group, ep.num_experts)
             moved = None
         else:
             load = balancer.before_regroup() if balancer else None
-            moved = regroup_experts(self.model, survivors, group, load)
+            moved = regroup_experts(self.model, sources, group, load)
         self.decode_graphs = self._capture_decode_graphs()
         return moved
 

@@ -63,6 +63,7 @@ def _build(
     expert_placement=None,
     exchange=None,
     kernels: str = "ours",
+    joining: tuple[int, int] | None = None,
 ) -> Model:
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r}: expected None (dtype) or 'fp8'")
@@ -81,7 +82,7 @@ def _build(
                 f"{num_physical_experts} physical experts asked for"
             )
     slots = num_physical_experts or args.n_routed_experts
-    split = exchange is None and group is not None and group.size() > 1
+    split = exchange is None and (joining or (group is not None and group.size() > 1))
     chosen = resolve(
         kernels, device=device, dtype=dtype, fp8=weight_dtype == "fp8", expert_parallel=split
     )
@@ -89,7 +90,9 @@ def _build(
     if split:
         from ref_server.model.expert_parallel import ExpertParallel
 
-        expert_parallel = ExpertParallel(group, slots, args.hidden_size, deep_ep=chosen.deep_ep)
+        expert_parallel = ExpertParallel(
+            group, slots, args.hidden_size, deep_ep=chosen.deep_ep, joining=joining
+        )
     with torch.device("meta"):
         model = Model(args, expert_parallel, num_physical_experts, chosen)
         if args.num_nextn_predict_layers:
@@ -126,6 +129,7 @@ def from_args(
     expert_placement=None,
     exchange=None,
     kernels: str = "ours",
+    joining: tuple[int, int] | None = None,
 ) -> Model:
     """A model of these hyper-parameters with random weights drawn from `seed`, in `dtype`
     (activations, and weights unless weight_dtype is "fp8": then the projections are FP8,
@@ -133,10 +137,10 @@ def from_args(
     `from_pretrained`; replicas of an expert get its weights. exchange: what the MoE layers
     exchange rows through instead of an `ExpertParallel` over group: a stand-in with its
     interface, such as `ref_server.repro.slices.LayoutExchange` (one rank of a layout, without
-    its peers)."""
+    its peers). joining: as `from_pretrained`."""
     model = _build(
         args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement,
-        exchange, kernels,
+        exchange, kernels, joining,
     )  # fmt: skip
     init_random(model, seed)
     model.weights_from = seed
@@ -163,6 +167,7 @@ def from_pretrained(
     num_physical_experts: int | None = None,
     expert_placement=None,
     kernels: str = "ours",
+    joining: tuple[int, int] | None = None,
 ) -> Model:
     """A Hugging Face DeepSeek-V3 checkpoint directory, activations in `dtype`. weight_dtype
     None: weights in dtype too (FP8 ones dequantized); "fp8": the projections DeepSeek stores
@@ -177,7 +182,10 @@ def from_pretrained(
     kernels: "ours" (ref-server's kernels, mla_kernels, ep_comm), "deepseek" (FlashMLA for
     decode attention, DeepGEMM for the FP8 GEMMs, DeepEP for the exchange: each where the model
     has that part) or "deepseek:PART[,PART...]" (those parts alone); see
-    `ref_server.kernel_choice` and docs/model.md. `model.kernels` says what runs."""
+    `ref_server.kernel_choice` and docs/model.md. `model.kernels` says what runs.
+
+    joining (rank, ranks) instead of a group: built as that rank of an expert-parallel
+    instance it joins later (`ref_server.services.elastic`), with no group until then."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
@@ -190,6 +198,7 @@ def from_pretrained(
         num_physical_experts,
         expert_placement,
         kernels=kernels,
+        joining=joining,
     )
     load_weights(model, path)
     model.weights_from = path

@@ -21,7 +21,8 @@ and come back summed (combine). Two ways, as DeepSeek serves:
 
 After a failure that ep_comm could not raise at once (a CUDA-graph replay, an asynchronous
 call), `raise_if_failed` raises `EPCommError` on every rank and `reset` rebuilds the buffer.
-An instance that lost ranks `leave`s its group and `regroup`s over the survivors.
+An instance that lost ranks `leave`s its group and `regroup`s over the survivors; a rank that
+joins one starts without a group (`joining`) and `regroup`s with them.
 
 With `deep_ep` (the model's `kernels` "deepseek"), DeepEP's `deep_ep.Buffer` (its V1 API, which
 ep_comm's copies) moves the rows instead (`deepseek.deep_ep_buffer`): its kernels never wait on
@@ -73,28 +74,32 @@ class Packed:
 class ExpertParallel:
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         num_experts: int,
         hidden_size: int,
         *,
         backend: str | None = None,
         timeout: timedelta = timedelta(seconds=300),
         deep_ep=None,
+        joining: tuple[int, int] | None = None,
     ) -> None:
         """backend, timeout: ep_comm's `Buffer`'s; deep_ep: the imported DeepEP, whose buffer
-        moves the rows instead (None: ep_comm's)."""
-        size = group.size()
+        moves the rows instead (None: ep_comm's). joining (rank, ranks) instead of a group: a
+        rank that joins a running instance, laid out as that rank of the instance as it
+        started; it has neither group nor buffer until `regroup`."""
+        rank, size = joining or (group.rank(), group.size())
         if num_experts % size:
             raise ValueError(f"{num_experts} routed experts do not split over {size} ranks")
         self.group = group
         self.num_experts = num_experts
+        self.initial_per_rank = num_experts // size  # a grown-back instance's slots per rank
         self.hidden_size = hidden_size
-        self.rank_and_size = (group.rank(), size)
+        self.rank_and_size = (rank, size)
         self.backend, self.timeout = backend, timeout
         self.deep_ep = deep_ep
         self.max_decode_tokens = 0  # T of the low-latency mode; 0: decode uses the normal mode
         self.why_not_low_latency = "no decode batch size was given (use_low_latency)"
-        self.buffer = self._new_buffer()
+        self.buffer = None if group is None else self._new_buffer()
 
     def _new_buffer(self) -> Buffer:
         size, tokens = self.rank_and_size[1], self.max_decode_tokens
@@ -131,9 +136,10 @@ class ExpertParallel:
         elif num_topk > MAX_TOPK:
             self.why_not_low_latency = f"{num_topk} experts per token, more than {MAX_TOPK}"
         else:
-            self.buffer.destroy()
             self.max_decode_tokens = min(-(-max_tokens // 4) * 4, MAX_TOKENS_PER_RANK)
-            self.buffer = self._new_buffer()
+            if self.buffer is not None:  # else `regroup` builds it so
+                self.buffer.destroy()
+                self.buffer = self._new_buffer()
         return self.low_latency
 
     @property
@@ -238,8 +244,9 @@ class ExpertParallel:
         self.buffer = self.group = None
 
     def regroup(self, group: dist.ProcessGroup, num_experts: int) -> None:
-        """A buffer over `group`, the ranks left after some were lost, for num_experts slots
-        (a multiple of its size); every rank of it together. The caller places the slots."""
+        """A buffer over `group`, the ranks left after some were lost or with one that joins,
+        for num_experts slots (a multiple of its size); every rank of it together. The caller
+        places the slots."""
         if num_experts % group.size():
             raise ValueError(f"{num_experts} expert slots do not split over {group.size()} ranks")
         self.group, self.num_experts = group, num_experts

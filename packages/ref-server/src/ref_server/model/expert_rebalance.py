@@ -14,12 +14,16 @@ routing tables change in place, so captured CUDA graphs replay the new placement
 `plan_moves` is the whole decision, pure and the same on every rank, so every send has its
 receive.
 
-When an instance loses ranks (`regroup_experts`), the survivors keep the slots they hold, each
-gets as many more as every expert needs a slot among them, and only the experts no survivor
-holds move: each into an empty slot or in place of a redundant copy (`place_lost_experts`),
-from where the model's weights came (its checkpoint, or a preset's seed). Placing every slot
-over the survivors again would move most of them (at DeepSeek's EP32, ~600 GB to recover
-~20 GB of lost experts); EPLB rebalances the survivors afterwards as it does any load.
+When an instance loses ranks or a rank joins it (`regroup_experts`), the ranks that were there
+keep the slots they hold, the slots per rank become the fewest that give every expert one (at
+least as many as the instance started with), and only what must move does
+(`place_lost_experts`): an expert no rank holds any more goes into an empty slot or in place of
+a redundant copy, and slots still empty (a joining rank's) take copies of the experts with the
+most load a copy, each from a slot that holds it, else from where the model's weights came (its
+checkpoint, or a preset's seed). Placing every slot again would move most of them (at
+DeepSeek's EP32, ~600 GB to recover ~20 GB of lost experts); EPLB rebalances afterwards as it
+does any load. Where a rank's slots become fewer, the moves run over as many as it had, and the
+slots past the new count go after.
 """
 
 from __future__ import annotations
@@ -116,12 +120,24 @@ def move_layer(moe, new, group: dist.ProcessGroup | None = None) -> Moved:
 def _move(moe, old: torch.Tensor, new, group, reload: Callable | None = None) -> Moved:
     """`moe`'s slots, holding `old` now, to `new`; reload(moe, experts): load this rank's
     slots of these logical experts (no slot held them) once the placement is in force."""
-    location, experts = moe.location, moe.experts
+    location = moe.location
     new = torch.as_tensor(new, dtype=torch.long).cpu()
     check_placement(new, location.num_logical, location.num_physical)
+    moved, lost = _transfer(moe.experts, moe.first_slot, old, new, group, reload is not None)
+    location.place(new)
+    if lost:
+        reload(moe, lost)
+    return moved
+
+
+def _transfer(experts, first, old, new, group, reload: bool) -> tuple[Moved, list[int]]:
+    """The weights of a rank's slots (from global slot `first`), holding `old` now, to `new`
+    (both `[P]`; a slot may stay empty, -1 in both); what the instance moved, and the logical
+    experts this rank's slots must load (no slot held them; with reload, else ValueError)."""
+    new = torch.as_tensor(new, dtype=torch.long).cpu()
     rank, ranks = (0, 1) if group is None else (group.rank(), group.size())
-    per_rank, first = experts.num_experts, moe.first_slot
-    moves = plan_moves(old, new, ranks, reload=reload is not None)
+    per_rank = experts.num_experts
+    moves = plan_moves(old, new, ranks, reload=reload)
     held = [m for m in moves if m.source is not None]
     tensors = expert_tensors(experts)
 
@@ -142,44 +158,43 @@ def _move(moe, old: torch.Tensor, new, group, reload: Callable | None = None) ->
     for move in (m for m in mine if m.ride):
         for t in tensors:
             t[move.to - first].copy_(t[move.source - first])
-    location.place(new)
     lost = sorted({int(new[m.to]) for m in moves if m.source is None and m.to // per_rank == rank})
-    if lost:
-        reload(moe, lost)
     slot_bytes = sum(_bytes(t[0]).numel() for t in tensors)
     between = sum(m.to // per_rank != m.source // per_rank for m in held)
     loaded = len(moves) - len(held)
-    return Moved((len(held) - between) * slot_bytes, between * slot_bytes, loaded * slot_bytes)
+    moved = Moved((len(held) - between) * slot_bytes, between * slot_bytes, loaded * slot_bytes)
+    return moved, lost
 
 
-def kept_slots(old, survivors: list[int], before: int, per_rank: int) -> torch.Tensor:
-    """`[len(survivors) * per_rank]`: the experts of placement `old` (`[P]`, `before` slots per
-    rank) where the survivors keep them, survivor i being rank i with per_rank >= before
-    slots: its old slots first, then empty ones (-1)."""
+def kept_slots(old, sources: list[int | None], before: int, per_rank: int) -> torch.Tensor:
+    """`[len(sources) * per_rank]`: the experts of placement `old` (`[P]`, `before` slots per
+    rank) where the ranks keep them, rank i having been rank sources[i] (None: a joining rank,
+    which holds none) with per_rank slots now: the first of its old slots that fit, then empty
+    ones (-1)."""
     old = torch.as_tensor(old, dtype=torch.long).cpu()
-    kept = torch.full((len(survivors) * per_rank,), -1, dtype=torch.long)
-    for i, survivor in enumerate(survivors):
-        kept[i * per_rank : i * per_rank + before] = old[
-            survivor * before : (survivor + 1) * before
-        ]
+    kept = torch.full((len(sources) * per_rank,), -1, dtype=torch.long)
+    count = min(before, per_rank)
+    for i, source in enumerate(sources):
+        if source is not None:
+            kept[i * per_rank : i * per_rank + count] = old[
+                source * before : source * before + count
+            ]
     return kept
 
 
-def regroup_placement(old, survivors: list[int], before: int, num_logical: int, load=None):
-    """The placements of an instance's MoE layers once it lost ranks: (kept, new), int64
-    `[layers, len(survivors) * per_rank]`. old `[layers, P]`: the slots' experts now, `before`
-    a rank; survivor i (rank survivors[i] before) keeps its slots and gets as many more as the
-    experts need (per_rank: at least num_logical / survivors); kept: the survivors' slots before
-    anything moves (`kept_slots`), new: kept with the experts only lost ranks held put in
-    (`place_lost_experts`, by load `[layers or fewer, num_logical]`, the layers past it even;
-    None: even). Nothing else moves: EPLB balances the survivors later, as it does any load."""
+def regroup_placement(old, sources: list[int | None], before: int, per_rank: int, load=None):
+    """The placements of an instance's MoE layers over new ranks: (kept, new), int64
+    `[layers, len(sources) * per_rank]`. old `[layers, P]`: the slots' experts now, `before` a
+    rank; rank i was rank sources[i] (None: a joining rank) and keeps its slots that fit
+    (`kept`, `kept_slots`); new: kept with the experts it lacks put in and its empty slots
+    filled (`place_lost_experts`, by load `[layers or fewer, E]`, the layers past it even;
+    None: even)."""
     old = np.asarray(old)
-    ranks = len(survivors)
-    per_rank = max(before, -(-num_logical // ranks))
+    num_logical = int(old.max()) + 1
     weight = np.ones((len(old), num_logical))
     if load is not None and np.asarray(load).any():
         weight[: len(load)] = load
-    kept = np.stack([kept_slots(o, survivors, before, per_rank).numpy() for o in old])
+    kept = np.stack([kept_slots(o, sources, before, per_rank).numpy() for o in old])
     new = np.stack([place_lost_experts(k, w, per_rank) for k, w in zip(kept, weight, strict=True)])
     return kept, new
 
@@ -187,73 +202,127 @@ def regroup_placement(old, survivors: list[int], before: int, num_logical: int, 
 def place_lost_experts(kept: np.ndarray, load: np.ndarray, per_rank: int) -> np.ndarray:
     """kept `[slots]` (-1: an empty slot) with every expert of load `[E]` it lacks put in,
     heaviest first: into an empty slot, else in place of a copy of an expert held more than
-    once, the lightest per copy; among those, on the rank with the least load per copy. There
-    is always one while slots >= E."""
+    once, the lightest per copy; among those, on the rank with the least load per copy (there
+    is always one while slots >= E). Then each slot still empty takes a copy of the expert with
+    the most load per copy that its rank does not hold yet."""
     placement = kept.copy()
-    held = set(placement[placement >= 0].tolist())
-    for expert in np.argsort(-load, kind="stable"):
-        if expert in held:
-            continue
+
+    def per_copy():
         copies = np.bincount(placement[placement >= 0], minlength=len(load))
-        per_copy = np.where(placement >= 0, load[placement] / np.maximum(copies[placement], 1), 0)
-        rank_load = per_copy.reshape(-1, per_rank).sum(axis=1)
+        return copies, load / np.maximum(copies, 1)
+
+    for expert in np.argsort(-load, kind="stable"):
+        copies, share = per_copy()
+        if copies[expert]:
+            continue
+        slot_load = np.where(placement >= 0, share[placement], 0)
+        rank_load = slot_load.reshape(-1, per_rank).sum(axis=1)
         candidates = np.flatnonzero(placement < 0)
         if not candidates.size:
             candidates = np.flatnonzero(copies[placement] > 1)
-            candidates = candidates[per_copy[candidates] == per_copy[candidates].min()]
+            candidates = candidates[slot_load[candidates] == slot_load[candidates].min()]
         placement[candidates[np.argmin(rank_load[candidates // per_rank])]] = expert
-        held.add(int(expert))
+    for slot in np.flatnonzero(placement < 0):
+        _, share = per_copy()
+        rank = placement[slot // per_rank * per_rank : (slot // per_rank + 1) * per_rank]
+        share[rank[rank >= 0]] = -1  # a second copy on one rank spreads nothing
+        placement[slot] = int(np.argmax(share))
     return placement
 
 
-def regroup_experts(model, survivors: list[int], group: dist.ProcessGroup, load=None) -> Moved:
-    """After an instance lost ranks: its MoE layers' slots over `group`, whose rank i was rank
-    survivors[i] before, placed as `regroup_placement` says by load (`[MoE layers, E]`, the same
-    on every rank; None: even; the MTP module's layer, past the model's, stays even); weights
-    come as `_move` says, those of experts no survivor holds from where the model's came
-    (`ref_server.model.checkpoint.reload_experts`). The survivors call it together."""
+def regroup_slots(old, sources: list[int | None], before: int, new) -> tuple[torch.Tensor, ...]:
+    """What a regroup's moves go from and to, over as many slots per rank as any rank has
+    during them (W, the most of `before` and new's): `[ranks * W]` each, the experts the ranks
+    hold now (`kept_slots` of `old`), and new's (`[ranks * per_rank]`) in the first per_rank
+    slots of each rank, the slots past them as they are (they go after the moves)."""
+    ranks = len(sources)
+    per_rank = len(new) // ranks
+    widest = max(before, per_rank)
+    held = kept_slots(old, sources, before, widest)
+    target = held.view(ranks, widest).clone()
+    target[:, :per_rank] = torch.as_tensor(new).view(ranks, per_rank)
+    return held, target.flatten()
+
+
+def regroup_experts(model, sources: list[int | None], group: dist.ProcessGroup, load=None) -> Moved:
+    """After an instance lost ranks or with one that joins: its MoE layers' slots over
+    `group`, whose rank i was rank sources[i] before (None: a joining rank). Each rank gets
+    the fewest slots that give every expert one, at least the instance's slots per rank at
+    start; `regroup_placement` places every layer's slots over the group by load
+    (`[MoE layers, E]`; None: even), moving only what must; weights come as `_transfer`
+    says, those of experts no rank holds from where the model's came
+    (`ref_server.model.checkpoint.reload_experts`). Every rank of group calls it together; a
+    joining rank learns the placement in force and the load from the lowest rank that was
+    there."""
     layers = model.moe_layers() + ([model.mtp.mlp] if model.mtp else [])
     location = layers[0].location
     if location is None:
-        raise ValueError("placing experts over fewer ranks needs a model built with expert slots")
-    current = np.stack([m.location.physical_to_logical.cpu().numpy() for m in layers])
-    kept, placement = regroup_placement(
-        current, survivors, layers[0].experts.num_experts, location.num_logical, load
-    )
-    ranks = len(survivors)
-    per_rank = kept.shape[1] // ranks
-    model.expert_parallel.regroup(group, per_rank * ranks)
+        raise ValueError("placing experts over other ranks needs a model built with expert slots")
+    ep, rank, ranks = model.expert_parallel, group.rank(), len(sources)
+    tables = torch.stack([m.location.physical_to_logical.cpu() for m in layers])
+    before = layers[0].experts.num_experts
+    if None in sources:
+        tables, before, load = _from_a_rank_that_was_there(sources, group, tables, before, load)
+    per_rank = max(ep.initial_per_rank, -(-location.num_logical // ranks))
+    widest = max(before, per_rank)  # the moves run over as many slots as any rank has
+    # the MTP module's layer, past the model's in load, stays even
+    _, placement = regroup_placement(tables.numpy(), sources, before, per_rank, load)
+    ep.regroup(group, per_rank * ranks)
     moved = Moved()
-    for moe, old, new in zip(layers, kept, placement, strict=True):
+    for moe, old, new in zip(layers, tables, placement, strict=True):
+        held, target = regroup_slots(old, sources, before, new)
+        resize_slots(moe.experts, widest)
+        layer_moved, lost = _transfer(moe.experts, rank * widest, held, target, group, True)
         resize_slots(moe.experts, per_rank)
-        moe.first_slot = group.rank() * per_rank
+        moe.first_slot = rank * per_rank
         device = moe.location.load.device
         moe.location = ExpertLocation(location.num_logical, per_rank * ranks, ranks).to(device)
-        old = torch.from_numpy(old)
-        moved += _move(moe, old, new, group, lambda m, experts: reload_experts(model, m, experts))
+        moe.location.place(new)
+        if lost:
+            reload_experts(model, moe, lost)
+        moved += layer_moved
     source = model.weights_from
     source = f"the checkpoint {source}" if isinstance(source, Path) else f"seed {source}"
     log.warning(
         "placed the experts of %d MoE layers over %d ranks of %d slots: %.1f MB from the "
-        "survivors' slots (%.1f MB between ranks), %.1f MB from %s",
+        "ranks' slots (%.1f MB between ranks), %.1f MB from %s",
         len(layers), ranks, per_rank, (moved.copied + moved.sent) / 1e6, moved.sent / 1e6,
         moved.loaded / 1e6, source,
     )  # fmt: skip
     return moved
 
 
+def _from_a_rank_that_was_there(sources, group, tables: torch.Tensor, before: int, load):
+    """The placement in force (`[layers, P]`), its slots per rank and the load (or None) as
+    the lowest rank of group that was there has them, on every rank (a joining one has none
+    of them)."""
+    root = next(i for i, s in enumerate(sources) if s is not None)
+    load = None if load is None else torch.as_tensor(np.asarray(load), dtype=torch.float64)
+    header = torch.tensor([*tables.shape, before, *(load.shape if load is not None else (0, 0))])
+    dist.broadcast(header, group_src=root, group=group)
+    layers, slots, before, load_layers, experts = header.tolist()
+    if group.rank() != root:
+        tables = torch.empty(layers, slots, dtype=torch.long)
+        load = torch.empty(load_layers, experts, dtype=torch.float64) if load_layers else None
+    dist.broadcast(tables, group_src=root, group=group)
+    if load is not None:
+        dist.broadcast(load, group_src=root, group=group)
+    return tables, before, None if load is None else load.numpy()
+
+
 def resize_slots(experts, count: int) -> None:
-    """A rank's routed experts to `count` slots (at least as many as now): each slot keeps
-    its weights, the new ones are zero."""
+    """A rank's routed experts to `count` slots: the first min(count, now) keep their
+    weights, new ones are zero, those past count go."""
     before = experts.num_experts
+    kept = min(before, count)
     for name, tensor in [*experts.named_parameters(), *experts.named_buffers()]:
         if tensor.shape[:1] != (before,):
             continue
-        grown = tensor.new_zeros(count, *tensor.shape[1:])
-        grown[:before] = tensor
+        resized = tensor.new_zeros(count, *tensor.shape[1:])
+        resized[:kept] = tensor[:kept]
         if isinstance(tensor, nn.Parameter):
-            grown = nn.Parameter(grown, requires_grad=tensor.requires_grad)
-        setattr(experts, name, grown)
+            resized = nn.Parameter(resized, requires_grad=tensor.requires_grad)
+        setattr(experts, name, resized)
     experts.num_experts = count
 
 

@@ -215,6 +215,12 @@ class ServeConfig:
         "ep_comm's torch backend; every rank may be lost with an external --group-store, all "
         "but rank 0 without)",
     )
+    join: bool = _setting(
+        False,
+        "--elastic: join the running instance at --group-address as member --rank, one it lost: "
+        "load the model, wait (at most --group-timeout-s) until its ranks admit this one, take "
+        "its share of the experts from them and serve",
+    )
     failure_timeout_s: float = _setting(
         30.0,
         "--elastic: how long a rank of a started instance waits for a peer before the instance "
@@ -335,7 +341,16 @@ class ServeConfig:
         if not self.elastic:
             if self.group_store == "external":
                 problems.append("group_store external is for elastic instances")
+            if self.join:
+                problems.append("join is for elastic instances (--elastic)")
             return problems
+        if self.join and self.role not in ("prefill", "decode"):
+            problems.append("join: a rank of a prefill or decode instance (--role), not all")
+        if self.join and self.group_store == "rank0" and self.rank == 0:
+            problems.append(
+                "join: rank 0 hosts the store with --group-store rank0; it cannot "
+                "join back (use an external store)"
+            )
         if self.ranks < 2:
             problems.append("elastic needs instances of several ranks (ranks > 1)")
         if self.group_address == "env":

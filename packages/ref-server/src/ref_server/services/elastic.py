@@ -20,6 +20,16 @@ connections, so that the ranks still waiting on it fail at once too, and calls `
 So a rank that dies is agreed lost within STALE_S of the first failed collective (which fails
 at once where its connections close, else within `timeout`), and a rank that stops answering
 but beats (hung in a kernel) within `timeout` more.
+
+A lost member comes back as a new process with its member id (`serve --elastic --join`): it
+loads the model, sets `joining/<id>` and waits (`wait_admitted`) for a generation whose members
+include it. The running ranks admit it at a step boundary, all at the same one: their engine
+loop's per-step all-reduce (which every rank does, idle or not) carries the member the lowest
+rank found joining (`joiner`, which looks in the store at most every JOIN_CHECK_S), so every
+rank learns of it from the same reduction. Each then writes the next generation's members, the
+old ones and the joiner in member order, with a compare-and-set (`admit`; they all write the
+same value), and they and the joiner form that generation's group, over which the experts are
+placed anew. Sequences keep their pages: a step boundary is between steps.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.2  # between a rank's heartbeats
 STALE_S = 2.0  # a heartbeat unchanged this long: the rank is gone
 POLL_S = 0.05  # between looks at the store while agreeing
+JOIN_CHECK_S = 0.5  # between the lowest rank's looks for a joining member
 
 
 class LeftOut(RuntimeError):
@@ -70,8 +81,10 @@ class Membership:
 
         self.store = client(host_store)  # the agreement's: a client is not safe to share
         self.member, self.members = rank, list(range(ranks))
+        self.ranks = ranks  # the members it started with
         self.generation = 0
         self.timeout = timeout
+        self.checked_joining = 0.0  # when `joiner` last looked at the store
         self.stopped = threading.Event()
         beats = client()  # a client per thread: they are not thread-safe
         self._beating = threading.Thread(target=self._beat, args=(beats,), daemon=True)
@@ -149,6 +162,62 @@ class Membership:
         lost = sorted(set(before) - set(members))
         log.warning("the instance's ranks agreed on %s (lost: %s)", members, lost or "none")
         return [before.index(m) for m in members]
+
+    def joiner(self) -> int | None:
+        """A lost member waiting to join (`wait_admitted`), as the lowest rank finds it at most
+        every JOIN_CHECK_S; None elsewhere, and between looks."""
+        now = time.monotonic()
+        if self.rank != 0 or now - self.checked_joining < JOIN_CHECK_S:
+            return None
+        self.checked_joining = now
+        lost = [m for m in range(self.ranks) if m not in self.members]
+        return next((m for m in lost if self.store.check([f"joining/{m}"])), None)
+
+    def admit(self, joiner: int) -> list[int | None]:
+        """With the other members, after `joiner` was found: the next generation's members,
+        as their ranks before (None: the joiner). Its `joining` key goes, so that a joiner that
+        never forms the group is not admitted again. LeftOut when the generation was decided
+        without this rank."""
+        before = self.members
+        decided = f"members/{self.generation + 1}"
+        self.store.compare_set(decided, "", json.dumps(sorted([*before, joiner])))
+        self.store.delete_key(f"joining/{joiner}")
+        members = json.loads(self.store.get(decided))
+        self.generation += 1
+        if self.member not in members:
+            raise LeftOut(f"rank {self.member} was left out of the instance: ranks {members}")
+        self.members = members
+        log.warning("the instance admits rank %d: ranks %s", joiner, members)
+        return [before.index(m) if m in before else None for m in members]
+
+    def wait_admitted(self) -> list[int | None]:
+        """A member joining a running instance: announce it and wait until the members admit
+        it (`admit`), at most the store's timeout; the new generation's members as their ranks
+        before (None: this rank). TimeoutError saying so when it is not admitted."""
+        generation = 1
+        while self.store.check([f"members/{generation}"]):  # the next generation is the first
+            generation += 1
+        key = f"joining/{self.member}"
+        self.store.set(key, "")
+        waited = self.store.timeout.total_seconds()
+        deadline = time.monotonic() + waited
+        while time.monotonic() < deadline:
+            decided = f"members/{generation}"
+            if not self.store.check([decided]):
+                time.sleep(POLL_S)
+                continue
+            members = json.loads(self.store.get(decided))
+            if self.member in members:
+                self.generation, self.members = generation, members
+                before = [m for m in members if m != self.member]
+                return [None if m == self.member else before.index(m) for m in members]
+            generation += 1  # an agreement without this rank: wait for the next
+        self.store.delete_key(key)
+        raise TimeoutError(
+            f"rank {self.member} was not admitted into the instance within {waited:.0f} s: is "
+            f"it running with --elastic, with this --group-address, and is rank {self.member} "
+            f"one it lost?"
+        )
 
     def _read(self, key: str) -> str | None:
         return self.store.get(key).decode() if self.store.check([key]) else None

@@ -30,7 +30,8 @@ they form a new group over which the lost ranks' experts are placed anew (`Engin
 Requests keep their state and the failed step runs again (it changed none), so they complete
 with the tokens they would have had; only a step that fails again with every rank there,
 which they may be the cause of, ends them with the error. Those of a lost rank were in its
-process.
+process. A lost member that comes back (`serve --join`) is admitted between two steps, all
+ranks at the same one: the per-step agreement carries it (`Membership.joiner`, `_admit`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class EngineLoop:
             self._run_commands(wait=False)
             self._expire()
             try:
-                readiest = self._agree(self._readiness())
+                readiest, joiner = self._agree(self._readiness())
                 lost = None
             except Exception as error:  # a peer rank died or stopped answering
                 lost = f"the instance's ranks lost each other: {one_line(error)}"
@@ -215,6 +216,9 @@ class EngineLoop:
                     self._fail(lost)
                     return
                 self._regroup(lost)
+                continue
+            if joiner is not None:
+                self._admit(joiner)
                 continue
             if readiest > IDLE:
                 self._step()
@@ -227,14 +231,17 @@ class EngineLoop:
             return IDLE
         return BLOCKED if self.engine.idle else RUNNABLE
 
-    def _agree(self, readiness: int) -> int:
-        """The readiest rank's state: every rank steps when any can."""
+    def _agree(self, readiness: int) -> tuple[int, int | None]:
+        """The readiest rank's state, every rank stepping when any can; and an elastic
+        instance's joining member (`Membership.joiner`: the lowest rank's find), if any."""
         group = self.engine.runner.group
         if group is None:
-            return readiness
-        flag = torch.tensor([readiness])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return int(flag)
+            return readiness, None
+        joiner = self.membership.joiner() if self.membership else None
+        flags = torch.tensor([readiness, -1 if joiner is None else joiner])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        readiest, joiner = flags.tolist()
+        return readiest, None if joiner < 0 else joiner
 
     def _run_commands(self, wait: bool) -> None:
         """The queued commands; with wait, the first may come within 50 ms."""
@@ -369,6 +376,33 @@ class EngineLoop:
         self.failed_steps = 0 if len(survivors) < before else self.failed_steps + 1
         if self.failed_steps > 1:
             self._abort_all(why)
+
+    def _admit(self, joiner: int) -> None:
+        """Every rank of an elastic instance at the same step boundary: go on over a group
+        with `joiner` (`Membership.admit`), which receives its experts. If it never forms the
+        group, the ranks agree on who is there and go on over them; the loop stops (`_fail`)
+        if moving the experts fails, which leaves the layers half placed."""
+        started, before = time.monotonic(), self.membership.members
+        self.engine.leave_group()
+        self.membership.leave()
+        try:
+            sources = self.membership.admit(joiner)
+            group = self.membership.join()
+        except Exception as error:
+            log.exception("rank %d did not join", joiner)
+            self.membership.members = before  # whom the engine's experts are placed over
+            self._regroup(f"rank {joiner} did not join: {one_line(error)}")
+            return
+        try:
+            self.engine.regroup(group, sources)
+        except Exception as error:
+            log.exception("placing the experts over the ranks with rank %d failed", joiner)
+            self._fail(f"placing the experts with rank {joiner} failed: {one_line(error)}")
+            return
+        log.warning(
+            "rank %d joined: serving over %d ranks, %.1f s after it was found",
+            joiner, len(sources), time.monotonic() - started,
+        )  # fmt: skip
 
     def _expire(self) -> None:
         """Free the held pages whose lease ran out; forget releases kept long enough."""

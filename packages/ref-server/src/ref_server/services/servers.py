@@ -133,7 +133,7 @@ def membership(config: ServeConfig) -> Membership | None:
         config.ranks,
         timeout=timedelta(seconds=config.failure_timeout_s),
         startup_timeout=timedelta(seconds=config.group_timeout_s),
-        host_store=config.group_store == "rank0" and config.rank == 0,
+        host_store=config.group_store == "rank0" and config.rank == 0 and not config.join,
     )
 
 
@@ -158,7 +158,8 @@ def join_group(config: ServeConfig, members: Membership | None = None) -> dist.P
 def load_model(
     config: ServeConfig, group: dist.ProcessGroup | None, slots: dict | None = None
 ) -> M.Model:
-    """slots: `expert_slots(config, ...)`, if already read."""
+    """slots: `expert_slots(config, ...)`, if already read. With --join, group is None: the
+    model is built as rank --rank of the instance as it started, its group to come."""
     device = torch_device(config)
     dtype = torch.float32
     if device.type == "cuda":
@@ -170,6 +171,7 @@ def load_model(
         group=group,
         weight_dtype=_weight_dtype(config),
         kernels=config.kernels,
+        joining=(config.rank, config.ranks) if config.join else None,
     )
     weights |= expert_slots(config, model_args(config)) if slots is None else slots
     if config.model:
@@ -460,7 +462,7 @@ def serve(config: ServeConfig) -> None:
     slots = expert_slots(config, model_args(config))
     members = membership(config)
     # no name here holds the group: an elastic instance drops it to close its connections
-    model = load_model(config, join_group(config, members), slots)
+    model = load_model(config, None if config.join else join_group(config, members), slots)
     if members is not None:  # buffers built from now on wait as long as the group
         model.expert_parallel.timeout = members.timeout
     thresholds = Thresholds(config.two_batch_decode_tokens, config.two_batch_prefill_tokens)
@@ -474,6 +476,9 @@ def serve(config: ServeConfig) -> None:
         overlap_steps=config.overlap_steps,
         draft_tokens=config.draft_tokens if config.speculative == "mtp" else 0,
     )
+    if config.join:  # the running ranks take it in between two of their steps
+        sources = members.wait_admitted()
+        engine.regroup(members.join(), sources)
     if members is not None:
         members.ready()
     asyncio.run(run_instance(config, secret, engine, members))
