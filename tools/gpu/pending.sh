@@ -13,6 +13,10 @@
 # Before a call that builds changed CUDA code (any csrc/), run tools/check_cuda_build.py on the
 # CPU machine: it compiles and links each extension as the GPU machine will (docs/development.md).
 # When a stage's figures are in docs/benchmarks.md, take it off PENDING below.
+# Calls that fit the 10-minute limit, most wanted first: `ref-model mtp-bench`, `indexer
+# ref-serving`, `elastic`, `mla-sparse` (with the sparse peer), then `ep-tests
+# ep-nvshmem-watchdog ref-kernels`, `mla-peer mla-fp8-registers`, `ref-model-ab`,
+# `deepseek-kernels`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
