@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -35,6 +36,7 @@ from ref_server.v1 import serving_pb2_grpc as rpc
 
 SEED = 4
 SERVED_PRESETS = ["tiny", "v3.2-tiny"]
+REJOIN_DELAY_S = 3  # the supervisor's first restart of a lost elastic rank, in its test
 
 
 @pytest.fixture(scope="module")
@@ -666,44 +668,66 @@ def test_a_rank_that_dies_takes_its_instance_out_of_service(serving):
             rank.wait()
 
 
-def test_an_elastic_instance_goes_on_over_the_rank_it_has_left(reference, serving):
+def test_an_elastic_instance_goes_on_over_the_rank_it_has_left_and_takes_it_back(
+    monkeypatch, reference, serving
+):
     """`--role all --ranks 2 --elastic`: decode rank 1 is killed while requests stream from both
     decode ranks. Its own requests end UNAVAILABLE; rank 0's complete with the reference's
     greedy tokens; the supervisor leaves rank 0 running; the router reports the instance's
-    degraded size (GetServerInfo, /metrics, /health) and requests complete afterwards."""
-    config = serving.config(ranks=2, elastic=True, failure_timeout_s=10)
+    degraded size (GetServerInfo, /metrics, /health). The supervisor restarts rank 1 alone with
+    --join (here REJOIN_DELAY_S after it ended, time to see the instance degraded), and the
+    instance is back at 2 ranks within 60 s: the requests rank 0 decodes meanwhile, across the
+    switch, all complete with the reference's tokens, and requests sent after it are decoded
+    by both ranks, with the reference's tokens."""
+    monkeypatch.setattr(
+        "ref_server.services.deployment.RESTART_DELAYS_S", (REJOIN_DELAY_S, 2, 5, 10)
+    )
+    # pages for rank 0's requests and the three of 480 tokens it decodes across the switch
+    config = serving.config(ranks=2, elastic=True, failure_timeout_s=10, num_blocks=160)
     running = Deployment(config, startup_timeout=300)
     try:
         client = Client(running.address)
         decode = running.addresses("decode")
         survivor = running.children[decode[0]]
-        prompts = [list(range(3 + i, 13 + 2 * i)) for i in range(6)]
-        outcomes = {}
+        outcomes, times = {}, {}
 
-        def run(i: int) -> None:
+        def run(i: int, prompt: list[int], max_tokens: int) -> None:
+            times[i] = []
             try:
-                result = client.generate(prompts[i], temperature=0, max_tokens=160, timeout=120)
-                outcomes[i] = list(result.token_ids)
+                result = client.generate(
+                    prompt, temperature=0, max_tokens=max_tokens, timeout=120,
+                    on_chunk=lambda _: times[i].append(time.monotonic()),
+                )  # fmt: skip
+                outcomes[i] = (prompt, list(result.token_ids), result.finish_reason)
             except grpc.RpcError as error:
-                outcomes[i] = error.code()
+                outcomes[i] = (prompt, error.code(), None)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        serving.wait_until(
-            lambda: all(w.load.running for w in client.server_info().workers if w.role == "decode"),
-            60,
-            "both decode ranks decoding",
-        )
+        def start(first: int, prompts: list[list[int]], max_tokens: int) -> list[threading.Thread]:
+            threads = [
+                threading.Thread(target=run, args=(i, prompt, max_tokens))
+                for i, prompt in enumerate(prompts, first)
+            ]
+            for thread in threads:
+                thread.start()
+            return threads
+
+        def served(first: int, last: int, max_tokens: int) -> None:
+            """Requests first..last-1 completed with the reference's greedy tokens (within
+            rounding, which may choose the end of sequence early)."""
+            for i in range(first, last):
+                prompt, tokens, finish_reason = outcomes[i]
+                assert isinstance(tokens, list), (i, tokens)
+                length = len(tokens) == max_tokens
+                assert finish_reason == ("length" if length else "stop"), (i, tokens)
+                assert serving.near_greedy(reference, prompt, tokens), i
+
+        def decoding() -> bool:
+            workers = client.server_info().workers
+            return all(w.load.running for w in workers if w.role == "decode")
+
+        before = start(0, [list(range(3 + i, 13 + 2 * i)) for i in range(6)], 160)
+        serving.wait_until(decoding, 60, "both decode ranks decoding")
         running.children[decode[1]].kill()
-        for thread in threads:
-            thread.join(timeout=180)
-        lost = [i for i, o in outcomes.items() if o == grpc.StatusCode.UNAVAILABLE]
-        kept = [i for i, o in outcomes.items() if isinstance(o, list)]
-        assert lost and kept and len(lost) + len(kept) == len(prompts), outcomes
-        for i in kept:
-            assert len(outcomes[i]) == 160
-            assert serving.near_greedy(reference, prompts[i], outcomes[i])
 
         def degraded(worker) -> bool:
             return worker.load.ranks == 1 and worker.load.configured_ranks == 2
@@ -719,8 +743,32 @@ def test_an_elastic_instance_goes_on_over_the_rank_it_has_left(reference, servin
         assert 'ref_server_worker_configured_ranks{worker="decode-0"} 2.0' in text
         health = json.loads(urllib.request.urlopen(f"{base}/health", timeout=5).read())
         assert {"worker": "decode-0", "ranks": 1, "configured_ranks": 2} in health["degraded"]
-        after = client.generate(prompts[0], temperature=0, max_tokens=12, timeout=60)
-        assert serving.near_greedy(reference, prompts[0], list(after.token_ids))
+
+        across = start(6, [list(range(40 + i, 50 + 3 * i)) for i in range(3)], 480)
+
+        def full_size() -> bool:
+            workers = [w for w in client.server_info().workers if w.role == "decode"]
+            return all(w.healthy and w.load.ranks == 2 for w in workers)
+
+        serving.wait_until(
+            full_size, 60, "the supervisor restarted decode rank 1 (--join): decode-0 at 2 ranks"
+        )
+        full_at = time.monotonic()
+        after = start(9, [list(range(80 + i, 90 + 3 * i)) for i in range(3)], 64)
+        serving.wait_until(decoding, 30, "both decode ranks decoding after the rank's return")
+        for thread in before + across + after:
+            thread.join(timeout=180)
+        first = [outcomes[i][1] for i in range(6)]
+        lost = [i for i, o in enumerate(first) if o == grpc.StatusCode.UNAVAILABLE]
+        kept = [i for i, o in enumerate(first) if isinstance(o, list)]
+        assert lost and kept and len(lost) + len(kept) == 6, first
+        for i in kept:
+            served(i, i + 1, 160)
+        served(6, 9, 480)
+        assert any(times[i][0] < full_at < times[i][-1] for i in range(6, 9)), "none across"
+        served(9, 12, 64)
+        health = json.loads(urllib.request.urlopen(f"{base}/health", timeout=5).read())
+        assert "degraded" not in health
         assert survivor.poll() is None and running.children[decode[0]] is survivor
         client.close()
     finally:

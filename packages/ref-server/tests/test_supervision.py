@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -103,17 +104,23 @@ def test_readiness_is_asked_of_the_supervisors_own_child(foreign_server):
         child.wait()
 
 
-def test_the_supervisor_gives_up_on_a_process_that_keeps_dying(monkeypatch, foreign_server):
-    """A router that exits at once while another deployment answers on its port: restarted
-    after each death (never counted healthy, since the other one is not its child), then the
-    deployment stops with one message instead of restarting it forever."""
-    monkeypatch.setattr(deployment, "RESTART_DELAYS_S", (0, 0, 0, 0))
+def supervisor_only() -> Deployment:
+    """A deployment without processes, whose supervisor's steps (`_look_after`) the test runs."""
     running = Deployment.__new__(Deployment)
     running.config = type("Config", (), {"tls_cert": None})()
     running.env = dict(os.environ)
     running.startup_timeout = 2
     running.stopping = threading.Event()
     running.failure = None
+    return running
+
+
+def test_the_supervisor_gives_up_on_a_process_that_keeps_dying(monkeypatch, foreign_server):
+    """A router that exits at once while another deployment answers on its port: restarted
+    after each death (never counted healthy, since the other one is not its child), then the
+    deployment stops with one message instead of restarting it forever."""
+    monkeypatch.setattr(deployment, "RESTART_DELAYS_S", (0, 0, 0, 0))
+    running = supervisor_only()
     router = Unit("router", {foreign_server: [sys.executable, "-c", "raise SystemExit(3)"]})
     running.router, running.instances = router, []
     router.start(running.env)
@@ -129,3 +136,80 @@ def test_the_supervisor_gives_up_on_a_process_that_keeps_dying(monkeypatch, fore
         f"the router at {foreign_server} died 5 times in a row without serving "
         "(exit codes [3]); see its log above"
     )
+
+
+def rank(code: str) -> list[str]:
+    """A stand-in for an elastic instance's rank: `code` runs with the rank's flags in sys.argv."""
+    return [sys.executable, "-c", code, "--group-address", "127.0.0.1:1"]
+
+
+def supervised(running: Deployment, unit: Unit, address: str, until) -> list[subprocess.Popen]:
+    """The processes at `address` as the supervisor's steps start them, until `until(them)`
+    (within 30 s)."""
+    started = [unit.processes[address]]
+    deadline = time.monotonic() + 30
+    while not until(started):
+        assert time.monotonic() < deadline, (
+            f"only {len(started)} processes started at {address} in 30 s"
+        )
+        running._look_after(unit)
+        if unit.processes[address] is not started[-1]:
+            started.append(unit.processes[address])
+        time.sleep(0.01)
+    return started
+
+
+def test_a_lost_elastic_rank_is_restarted_alone_to_join_until_it_keeps_failing(monkeypatch):
+    """An elastic instance's rank whose process ends is started again alone, its command plus
+    --join; one that keeps ending (as a replacement that is never admitted exits, code 2) is
+    started five times in all, then the instance goes on without it: the other rank is the
+    process it was and the deployment goes on."""
+    monkeypatch.setattr(deployment, "RESTART_DELAYS_S", (0, 0, 0, 0))
+    running = supervisor_only()
+    live, failing = "127.0.0.1:1", "127.0.0.1:2"
+    commands = {live: rank("import time; time.sleep(60)"), failing: rank("raise SystemExit(2)")}
+    unit = Unit("decode", commands, elastic=True)
+    running.router, running.instances = None, [unit]
+    unit.start(running.env)
+    survivor = unit.processes[live]
+    try:
+        started = supervised(
+            running, unit, failing, lambda p: len(p) == 5 and p[-1].poll() is not None
+        )
+        for _ in range(20):
+            running._look_after(unit)
+        assert unit.processes[failing] is started[-1]  # no sixth
+        assert "--join" not in started[0].args
+        assert all(process.args[-1] == "--join" for process in started[1:])
+        assert unit.processes[live] is survivor and survivor.poll() is None
+        assert not running.stopping.is_set() and running.failure is None
+    finally:
+        unit.kill()
+
+
+def test_an_elastic_instance_whose_members_all_ended_restarts_whole_stopping_its_joiner(
+    monkeypatch,
+):
+    """A rank is lost and restarted with --join (a replacement waiting to be admitted); the
+    other, its last member, ends too: the replacement, which nothing can admit any more, is
+    stopped and the instance restarts whole, without --join."""
+    monkeypatch.setattr(deployment, "RESTART_DELAYS_S", (0, 0, 0, 0))
+    running = supervisor_only()
+    member, lost = "127.0.0.1:1", "127.0.0.1:2"
+    waits_if_joining = "import sys, time; time.sleep(60 if '--join' in sys.argv else 0)"
+    commands = {member: rank("import time; time.sleep(60)"), lost: rank(waits_if_joining)}
+    unit = Unit("decode", commands, elastic=True)
+    running.router, running.instances = None, [unit]
+    unit.start(running.env)
+    try:
+        joiner = supervised(running, unit, lost, lambda p: len(p) == 2)[-1]
+        assert joiner.args[-1] == "--join" and joiner.poll() is None
+        unit.processes[member].kill()
+        unit.processes[member].wait()
+        running._look_after(unit)  # all ended or joining: stopped
+        assert joiner.poll() is not None
+        running._look_after(unit)  # started again whole, after a delay of 0
+        assert unit.processes[member].poll() is None and unit.processes[lost] is not joiner
+        assert all("--join" not in process.args for process in unit.processes.values())
+    finally:
+        unit.kill()

@@ -7,9 +7,12 @@ deployment's internal secret through their environment (one is generated unless
 `internal_secret_file` or REF_SERVER_INTERNAL_SECRET gives it). A supervisor thread restarts
 a process that dies (all ranks of its instance together, with a growing delay); while an
 instance is down the router routes around it, and says NOT_SERVING if it was the last of its
-role. An elastic instance (`--elastic`) goes on over the ranks it has left, so it is restarted
-only once every rank has ended; the supervisor hosts the store its ranks agree in, which so
-outlives any of them. `stop()` (or Ctrl-C, SIGTERM under `serve`) stops them all.
+role. An elastic instance (`--elastic`) goes on over the ranks it has left: the supervisor
+restarts a lost rank alone, with its command plus `--join` (same address, so the router takes it
+back once it serves), after the same growing delays counted for that rank, and leaves the
+instance short of it after as many failures in a row. The instance is restarted whole only once
+every rank has ended or is still waiting to join. The supervisor hosts the store its ranks agree
+in, which so outlives any of them. `stop()` (or Ctrl-C, SIGTERM under `serve`) stops them all.
 
 On GPUs (device auto or cuda), the n-th rank started, counting over instances, runs on GPU n
 mod the GPU count: on 8 GPUs a prefill and a decode instance of 4 ranks each take GPUs 0-3
@@ -144,7 +147,12 @@ class Unit:
     deaths: int = 0  # in a row, without a healthy start between
     restart_at: float | None = None
     store: dist.TCPStore | None = None  # an elastic instance's, where its ranks agree
-    lost: set[str] = field(default_factory=set)  # an elastic instance's ranks that ended
+    # an elastic instance's ranks, by address: those whose process ended, the deaths of each in
+    # a row (without serving between), when each restarts, and those restarted but not serving
+    lost: set[str] = field(default_factory=set)
+    rank_deaths: dict[str, int] = field(default_factory=dict)
+    rejoin_at: dict[str, float] = field(default_factory=dict)
+    joining: set[str] = field(default_factory=set)
 
     def start(self, env: dict[str, str]) -> None:
         if self.elastic:  # a new store each start: the old one holds the last start's members
@@ -152,17 +160,29 @@ class Unit:
             self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
             for command in self.commands.values():
                 command[command.index("--group-address") + 1] = f"127.0.0.1:{port}"
-            self.lost = set()
+            self.lost, self.rank_deaths, self.rejoin_at, self.joining = set(), {}, {}, set()
         self.processes = {a: subprocess.Popen(c, env=env) for a, c in self.commands.items()}
+
+    def rejoin(self, address: str, env: dict[str, str]) -> subprocess.Popen:
+        """Start an elastic instance's lost rank again, as a replacement that joins it (the
+        last of --no-join and --join on a command line wins)."""
+        self.lost.discard(address)
+        self.joining.add(address)
+        process = subprocess.Popen([*self.commands[address], "--join"], env=env)
+        self.processes[address] = process
+        return process
 
     def ended(self) -> dict[str, int]:
         """The exit codes of the processes that ended, by address."""
         return {a: p.poll() for a, p in self.processes.items() if p.poll() is not None}
 
     def dead(self) -> bool:
-        """Whether it must start again: an elastic instance once every rank has ended."""
+        """Whether it must start again: an elastic instance once every rank has ended or
+        waits to join (no member is left to admit it)."""
         ended = self.ended()
-        return len(ended) == len(self.processes) if self.elastic else bool(ended)
+        if self.elastic:
+            return all(a in ended or a in self.joining for a in self.processes)
+        return bool(ended)
 
     def kill(self, timeout: float = 10) -> None:
         for process in self.processes.values():
@@ -260,7 +280,7 @@ class Deployment:
         now = time.monotonic()
         if unit.restart_at is None:
             if not unit.dead():
-                self._note_lost_ranks(unit)
+                self._look_after_ranks(unit, now)
                 return
             codes = {a: p.poll() for a, p in unit.processes.items()}
             unit.kill()  # the other ranks of a broken instance cannot go on alone
@@ -281,16 +301,51 @@ class Deployment:
             unit.start(self.env)
             threading.Thread(target=self._healthy_again, args=(unit,), daemon=True).start()
 
-    @staticmethod
-    def _note_lost_ranks(unit: Unit) -> None:
+    def _look_after_ranks(self, unit: Unit, now: float) -> None:
+        """An elastic instance's lost ranks: each restarted alone to join it (`Unit.rejoin`)
+        after RESTART_DELAYS_S, counted per rank, until it has died once more than there are
+        delays."""
         for address, code in unit.ended().items():
             if address not in unit.lost:
                 unit.lost.add(address)
-                left = len(unit.processes) - len(unit.lost)
+                unit.joining.discard(address)
+                deaths = unit.rank_deaths[address] = unit.rank_deaths.get(address, 0) + 1
+                left = len(unit.processes) - len(unit.lost) - len(unit.joining)
+                if deaths > len(RESTART_DELAYS_S):
+                    log.error(
+                        "%s rank %s ended %d times in a row without serving (exit code %s; see "
+                        "its log above): no more restarts; its instance goes on over %d ranks",
+                        unit.role, address, deaths, code, left,
+                    )  # fmt: skip
+                    continue
+                delay = RESTART_DELAYS_S[deaths - 1]
                 log.warning(
-                    "%s rank %s ended (exit code %s); its instance goes on over %d ranks",
-                    unit.role, address, code, left,
+                    "%s rank %s ended (exit code %s); its instance goes on over %d ranks; "
+                    "restarting the rank to join it in %d s",
+                    unit.role, address, code, left, delay,
                 )  # fmt: skip
+                unit.rejoin_at[address] = now + delay
+            elif address in unit.rejoin_at and now >= unit.rejoin_at[address]:
+                if self.stopping.is_set():
+                    return
+                del unit.rejoin_at[address]
+                process = unit.rejoin(address, self.env)
+                joined = threading.Thread(
+                    target=self._joined, args=(unit, address, process), daemon=True
+                )
+                joined.start()
+
+    def _joined(self, unit: Unit, address: str, process: subprocess.Popen) -> None:
+        """Once the restarted rank serves, it was admitted: a member again."""
+        try:
+            service = supervised_service(os.getpid())
+            wait_serving(address, self.startup_timeout, process, service=service)
+        except RuntimeError as error:
+            log.warning("%s rank %s did not join: %s", unit.role, address, error)
+            return
+        if unit.processes.get(address) is process:  # not restarted whole meanwhile
+            unit.joining.discard(address)
+            unit.rank_deaths[address] = 0
 
     def _healthy_again(self, unit: Unit) -> None:
         try:
