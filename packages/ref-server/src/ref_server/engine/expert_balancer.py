@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ref_server.balance import rebalance_experts, write_placement
+from ref_server.model.expert_parallel import group_of, ranks_of
 from ref_server.model.expert_rebalance import Moved, move_layer
 
 
@@ -65,11 +66,11 @@ class ExpertBalancer:
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        return self.expert_parallel.group if self.expert_parallel else None
+        return group_of(self.expert_parallel)
 
     @property
     def ranks(self) -> int:
-        return self.expert_parallel.rank_and_size[1] if self.expert_parallel else 1
+        return ranks_of(self.expert_parallel)
 
     def placement(self) -> np.ndarray:
         """`[MoE layers, slots]` int64: the logical expert each slot holds now."""

@@ -49,6 +49,7 @@ from ref_server.engine.scheduler import SchedulerConfig, Step
 from ref_server.engine.sequence import Sequence
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import DecodeGraphs
+from ref_server.model.expert_parallel import group_of, ranks_of
 from ref_server.model.expert_rebalance import Moved, regroup_experts
 from ref_server.model.prefill_graphs import PrefillGraphs
 from ref_server.model.sampling import sample_on_device
@@ -209,11 +210,11 @@ class ModelRunner:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The instance's ranks (None: one rank)."""
-        return self.expert_parallel.group if self.expert_parallel else None
+        return group_of(self.expert_parallel)
 
     @property
     def ranks(self) -> int:
-        return self.expert_parallel.rank_and_size[1] if self.expert_parallel else 1
+        return ranks_of(self.expert_parallel)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Graphs of decode steps on CUDA; for an expert-parallel model only when its exchange

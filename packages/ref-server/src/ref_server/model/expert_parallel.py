@@ -261,3 +261,12 @@ class ExpertParallel:
             return
         self.buffer.destroy()  # which waits for the device
         self.buffer = self._new_buffer()
+
+
+def group_of(expert_parallel: ExpertParallel | None) -> dist.ProcessGroup | None:
+    """The ranks an instance's experts are spread over (None: one rank)."""
+    return expert_parallel.group if expert_parallel else None
+
+
+def ranks_of(expert_parallel: ExpertParallel | None) -> int:
+    return expert_parallel.rank_and_size[1] if expert_parallel else 1
