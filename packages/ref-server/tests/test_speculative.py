@@ -105,7 +105,9 @@ def test_a_batch_accepts_for_each_sequence_what_it_accepts_alone():
     logits = torch.randn(first_rows[-1] + counts[-1] + 1, vocab) * 3
     drafts, probs = [], []
     for p, at, first, n in zip(params, positions, first_rows, counts, strict=True):
-        proposed = [S.propose(logits[first + j] + torch.randn(vocab), p, at + j) for j in range(n)]
+        module = logits[first : first + n] + torch.randn(n, vocab)
+        tokens, q = S.propose(module, [p] * n, [at + j for j in range(n)])
+        proposed = list(zip(tokens.tolist(), q, strict=True))
         best = logits[first : first + n + 1].argmax(-1).tolist()
         right = int(torch.randint(0, n + 1, ()))
         greedy = best[:right] + [(t + 1) % vocab for t in best[right:n]]  # then a wrong one
@@ -143,7 +145,8 @@ def first_tokens(accept, n: int = 6000, temperature: float = 0.8) -> torch.Tenso
     counts = torch.zeros(VOCAB)
     for seed in range(n):
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=4)
-        token, q = S.propose(DRAFT, params, 10)
+        (token,), (q,) = S.propose(DRAFT.unsqueeze(0), [params], [10])
+        token = int(token)
         got = accept(torch.stack([TARGET, TARGET]), [0], [[token]], [[q]], [params], [10])
         counts[got[0][0]] += 1
     return counts

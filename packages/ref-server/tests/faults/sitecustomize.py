@@ -18,9 +18,15 @@ def draft_oracle(want: dict[int, int], wrong_every: int):
     prompts' continuations must not overlap), but a wrong one where position % wrong_every is
     0: runs of accepted drafts, each ended by a rejection."""
 
-    def propose(logits, params, position):
-        token = want.get(position, 0)
-        return (token + 1) % len(logits) if position % wrong_every == 0 else token, None
+    def propose(logits, params, positions):
+        import torch
+
+        vocab = logits.shape[1]
+        tokens = [
+            (want.get(at, 0) + 1) % vocab if at % wrong_every == 0 else want.get(at, 0)
+            for at in positions
+        ]
+        return torch.tensor(tokens, dtype=torch.int64, device=logits.device), [None] * len(tokens)
 
     return propose
 

@@ -80,13 +80,24 @@ def _draws(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return (probs.double().log() + noise).argmax(dim=-1)
 
 
-def propose(logits: torch.Tensor, params: SamplingParams, position: int):
-    """The module's draft for `position` from its logits `[vocab]`, and the distribution q
-    `[vocab]` it was drawn from (None for greedy params: the argmax)."""
-    if params.greedy:
-        return int(logits.argmax()), None
-    q = probabilities(logits.unsqueeze(0), [params])
-    return int(_draws(q, _keys([params], [position], DRAFT, q.device))[0]), q[0]
+def propose(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]):
+    """The module's drafts from its logits `[rows, vocab]`, row i's for positions[i] of a
+    sequence sampled with params[i]: the tokens `[rows]` int64 on the logits' device (the host
+    does not wait), and the distribution q `[vocab]` each was drawn from (None for greedy
+    params: the argmax)."""
+    tokens = logits.argmax(dim=-1)
+    probs = [None] * len(params)
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    if sampled:
+        device = logits.device
+        at = _on(device, sampled)
+        params = [params[r] for r in sampled]
+        q = probabilities(logits[at], params)
+        keys = _keys(params, [positions[r] for r in sampled], DRAFT, device)
+        tokens[at] = _draws(q, keys)
+        for k, r in enumerate(sampled):
+            probs[r] = q[k]
+    return tokens, probs
 
 
 def accept(
@@ -178,7 +189,6 @@ def draft(
     tokens, and of each draft but the last. steps: the module's steps to run in all, where
     more than the drafts take (one a draft, one at least): an expert-parallel rank runs as
     many as its peer that drafts the most, the ones past its own idle (their experts' share)."""
-    drafts = [[] for _ in counts]
     probs = [[] for _ in counts]
     logits, hidden = model.every_row_step(batch, cache, hidden)
     ran = 1  # module steps
@@ -186,25 +196,28 @@ def draft(
     last = torch.tensor(batch.query_lens).cumsum(0)[rows] - 1
     logits, hidden = logits[last], hidden[last]
     context = list(batch.context_lens)  # each sequence's newest token's position
+    drafted = []  # each draft step's sequences and their tokens on the device
     while rows:
-        if drafts[rows[0]]:
-            step = StepBatch(
-                torch.tensor([drafts[s][-1] for s in rows], device=cache.device),
-                [1] * len(rows),
-                [context[s] for s in rows],
-                batch.block_table[rows],
-            )
+        tokens, q = propose(logits, [params[s] for s in rows], [context[s] + 1 for s in rows])
+        drafted.append((rows, tokens))
+        for i, s in enumerate(rows):
+            probs[s].append(q[i])
+            context[s] += 1
+        going = [i for i, s in enumerate(rows) if len(probs[s]) < counts[s]]
+        rows, hidden = [rows[i] for i in going], hidden[going]
+        if rows:
+            table = batch.block_table[rows]
+            step = StepBatch(tokens[going], [1] * len(rows), [context[s] for s in rows], table)
             logits, hidden = model.every_row_step(step, cache, hidden)
             ran += 1
-        for i, s in enumerate(rows):
-            token, q = propose(logits[i], params[s], context[s] + 1)
-            drafts[s].append(token)
-            probs[s].append(q)
-            context[s] += 1
-        going = [i for i, s in enumerate(rows) if len(drafts[s]) < counts[s]]
-        rows, hidden = [rows[i] for i in going], hidden[going]
     for _ in range(steps - ran):
         model.idle_step(cache, mtp=True)
+    drafts = [[] for _ in counts]
+    if drafted:  # read back once
+        values = iter(torch.cat([t for _, t in drafted]).tolist())
+        for rows, _ in drafted:
+            for s in rows:
+                drafts[s].append(next(values))
     return drafts, probs
 
 

@@ -18,8 +18,8 @@ their outputs are not read.
 
 `SpeculativeSteps` fills static inputs for each call and runs the steps over them: replayed
 from CUDA graphs captured per batch-size bucket (`capture_graphs`; drafting greedily, the
-argmax on the device), or eagerly at the batch's own size (drafting by `speculative.propose` on
-the host: sampled requests, and tests' stand-ins for the module; the verify step also in two
+argmax on the device), or eagerly at the batch's own size (drafting by `speculative.propose`:
+sampled requests, and tests' stand-ins for the module; the verify step also in two
 overlapped microbatches split between sequences, and through expert-parallel exchanges, which
 the graphs do not capture).
 
@@ -130,22 +130,32 @@ class SpeculativeSteps:
         self._fill_draft(batch, hidden, counts, size)
         if replay:
             self.graphs["draft", size].replay()
-            tokens = self.outputs["draft", size][:, :n].T.tolist()
-            drafts = [t[:count] for t, count in zip(tokens, counts, strict=True)]
-            return drafts, [[None] * count for count in counts]
-        drafts, probs = [[] for _ in range(n)], [[] for _ in range(n)]
-        newest = batch.context_lens  # each sequence's newest token's position
+            drafted = self.outputs["draft", size]
+            probs = [[None] * count for count in counts]
+        else:
+            probs = [[] for _ in range(n)]
+            newest = batch.context_lens  # each sequence's newest token's position
 
-        def propose(logits: torch.Tensor, j: int) -> torch.Tensor:
-            tokens = [0] * size
-            for i in np.flatnonzero(np.asarray(counts) > j).tolist():
-                tokens[i], q = speculative.propose(logits[i], params[i], newest[i] + 1 + j)
-                drafts[i].append(tokens[i])
-                probs[i].append(q)
-            return torch.tensor(tokens, device=logits.device)
+            def propose(logits: torch.Tensor, j: int) -> torch.Tensor:
+                seqs = np.flatnonzero(np.asarray(counts) > j).tolist()
+                positions = [newest[i] + 1 + j for i in seqs]
+                if len(seqs) == size:
+                    tokens, q = speculative.propose(logits, params, positions)
+                elif not seqs:
+                    return torch.zeros(size, dtype=torch.int64, device=logits.device)
+                else:
+                    at = torch.tensor(seqs, dtype=torch.int64).to(logits.device, non_blocking=True)
+                    tokens = torch.zeros(size, dtype=torch.int64, device=logits.device)
+                    tokens[at], q = speculative.propose(
+                        logits[at], [params[i] for i in seqs], positions
+                    )
+                for i, q_i in zip(seqs, q, strict=True):
+                    probs[i].append(q_i)
+                return tokens
 
-        self.run_draft(size, propose)
-        return drafts, probs
+            drafted = self.run_draft(size, propose)
+        tokens = drafted[:, :n].T.tolist()  # read back once
+        return [t[:count] for t, count in zip(tokens, counts, strict=True)], probs
 
     def run_verify(self, size: int, parts=None, low_latency: bool = False):
         """What the verify graph of `size` sequences runs, over the filled static inputs; parts:
