@@ -369,6 +369,13 @@ def instances_of_two_ranks(config: ServeConfig, reference, batch_invariant: bool
                 return all(w.load.accepted_length >= 1 for w in workers if w.role == "decode")
 
             wait_until(drafted, 3, "drafts verified on both decode ranks")
+        if config.eplb_interval:
+
+            def balanced() -> bool:
+                workers = client.server_info().workers
+                return all(w.load.expert_rebalances > 0 for w in workers if w.role == "decode")
+
+            wait_until(balanced, 3, "experts placed anew on both decode ranks")
         client.close()
     finally:
         running.stop()

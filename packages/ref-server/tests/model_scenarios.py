@@ -537,7 +537,7 @@ def record_routing(model) -> list[list[torch.Tensor]]:
 
 def assert_slots_hold_their_experts(model, one) -> None:
     """Every slot of `model` holds the weights `one` (a slot per expert) has for its expert."""
-    for moe, alone in zip(model.moe_layers(), one.moe_layers(), strict=True):
+    for moe, alone in zip(model.moe_layers(mtp=True), one.moe_layers(mtp=True), strict=True):
         for ours, theirs in zip(
             expert_tensors(moe.experts), expert_tensors(alone.experts), strict=True
         ):
@@ -738,3 +738,14 @@ def speculative_engines_match_plain_ones(rank: int, world: int, group) -> None:
         assert got == want, (two_batch, propose)
         stats = engine.speculative_stats
         assert stats.drafted > 0 and (propose is module or stats.accepted_length > 1.3)
+    # balancing experts while drafting: the module's layer moves between the ranks too
+    S.propose = by_oracle
+    balanced = M.from_args(args, seed=5, group=group, num_physical_experts=10)
+    engine = Engine(balanced, config, eplb=EplbConfig(interval=2), draft_tokens=3)
+    assert [s.completion for s in in_step(engine, group, prompts, params)] == want
+    balancer = engine.runner.expert_balancer
+    balancer.move()
+    assert balancer.layers[-1] is balanced.mtp.mlp and balancer.last_load[-1].any()
+    assert balancer.moved.sent > 0
+    assert_slots_hold_their_experts(balanced, M.from_args(args, seed=5))
+    S.propose = module

@@ -243,10 +243,6 @@ def test_top_level_help_lists_the_commands():
             ["serve", "--speculative", "mtp", "--overlap-steps", "on"],
             "speculative mtp does not overlap steps",
         ),
-        (
-            ["serve", "--speculative", "mtp", "--ranks", "2", "--eplb-interval", "8"],
-            "speculative mtp does not balance experts (EPLB, redundant experts)",
-        ),
         (["serve", "--elastic"], "elastic needs instances of several ranks (ranks > 1)"),
         (["serve", "--group-store", "external"], "group_store external is for elastic instances"),
         (

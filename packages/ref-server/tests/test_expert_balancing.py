@@ -169,6 +169,45 @@ def test_the_balancer_replicates_the_hot_experts_and_saves_the_placement(checkpo
         EplbConfig(interval=0)
 
 
+def test_a_speculative_engine_balances_the_mtp_module_s_experts_as_a_layer_after_the_model_s(
+    tmp_path,
+):
+    """Drafting with the MTP module and balancing experts: the balancer counts the module's
+    MoE layer as one more layer, replicates its hot expert there too, saves its row last, and
+    a new model loads it (a model without the module refuses the extra row). The greedy tokens
+    are those of the same model without balancing."""
+
+    def skewed(**slots):
+        model = M.from_preset("tiny", mtp=True, seed=3, **slots)
+        for moe in model.moe_layers(mtp=True):
+            moe.gate.e_score_correction_bias[5] += 10.0
+        return model
+
+    config = SchedulerConfig(num_blocks=24, block_size=16, max_model_len=256)
+    prompts, params = [list(range(10, 40)), list(range(50, 61))], M.SamplingParams(max_tokens=10)
+    want = Engine(skewed(), config, draft_tokens=2).generate(prompts, params)
+    model, saved = skewed(num_physical_experts=10), tmp_path / "placement.json"
+    engine = Engine(model, config, eplb=EplbConfig(3, save_to=saved), draft_tokens=2)
+    assert engine.generate(prompts, params) == want
+    balancer = engine.runner.expert_balancer
+    assert balancer.layers[-1] is model.mtp.mlp
+    assert len(balancer.layers) == model.args.num_moe_layers + 1
+    balancer.move()
+    placement, load = balancer.placement(), balancer.last_load
+    assert load[-1].argmax() == 5 and load[-1].sum() > 0
+    assert (placement[-1] == 5).sum() > 1  # in the default placement, once
+    assert model.mtp.mlp.slot_experts() == placement[-1].tolist()
+    loaded = read_placement(saved, num_logical=8)
+    assert (loaded == placement).all()
+    again = M.from_preset("tiny", mtp=True, expert_placement=loaded)
+    assert [m.slot_experts() for m in again.moe_layers(mtp=True)] == placement.tolist()
+    rows = model.args.num_moe_layers
+    with pytest.raises(
+        ValueError, match=rf"a row per MoE layer \({rows}\), got shape \({rows + 1}, 10\)"
+    ):
+        M.from_preset("tiny", expert_placement=loaded)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -584,12 +584,13 @@ def test_instances_of_two_ranks_serve_the_same_with_two_batch_overlap(serving, p
 
 def test_instances_of_two_ranks_draft_with_two_batch_overlap(reference, serving):
     """`--speculative mtp` on instances of two ranks with every step of two tokens or more in
-    two overlapped microbatches (verify steps too): the reference's greedy tokens within the
+    two overlapped microbatches (verify steps too), balancing their experts every 3 steps
+    (the MTP module's layer with the model's): the reference's greedy tokens within the
     exchange's rounding. A rank without requests takes its experts' share of its peer's
     verify and module steps, also while the peer drafts a handed-over request's first round."""
     config = serving.config(
         ranks=2, speculative="mtp", draft_tokens=3, two_batch="on", two_batch_decode_tokens=2,
-        two_batch_prefill_tokens=2,
+        two_batch_prefill_tokens=2, redundant_experts=2, eplb_interval=3,
     )  # fmt: skip
     serving.instances_of_two_ranks(config, reference, batch_invariant=False)
 

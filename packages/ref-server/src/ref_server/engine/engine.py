@@ -49,14 +49,12 @@ def overlap_refusal(model, eplb) -> str | None:
     return None
 
 
-def speculation_refusal(model, overlap_steps: str, eplb) -> str | None:
+def speculation_refusal(model, overlap_steps: str) -> str | None:
     """Why an engine of `model` cannot decode speculatively; None: it can."""
     if model.mtp is None:
         return "the model has no MTP module (num_nextn_predict_layers 0)"
     if overlap_steps == "on":
         return "not with overlapped steps: a round's drafts come from its verified tokens"
-    if eplb:
-        return "not with expert balancing yet: the MTP module's experts stay where they start"
     return None
 
 
@@ -84,7 +82,7 @@ class Engine:
             raise ValueError(f"overlap_steps on: {refusal}")
         if draft_tokens:
             check_draft_tokens(draft_tokens)
-            if refusal := speculation_refusal(model, overlap_steps, runner_options.get("eplb")):
+            if refusal := speculation_refusal(model, overlap_steps):
                 raise ValueError(f"speculative decoding: {refusal}")
         self.draft_tokens = draft_tokens
         self.forced_acceptance = forced_acceptance

@@ -49,7 +49,7 @@ class EplbConfig:
 class ExpertBalancer:
     def __init__(self, model, config: EplbConfig) -> None:
         """model: one whose MoE layers have expert slots (`num_physical_experts`)."""
-        self.layers = model.moe_layers()
+        self.layers = model.moe_layers(mtp=True)
         if not self.layers or self.layers[0].location is None:
             raise ValueError("expert balancing needs a model built with num_physical_experts")
         self.args = model.args

@@ -70,10 +70,12 @@ def _build(
     placement = None
     if expert_placement is not None:
         placement = torch.as_tensor(expert_placement, dtype=torch.long)
-        if placement.dim() != 2 or placement.shape[0] != args.num_moe_layers:
+        rows = {args.num_moe_layers, args.num_moe_layers + args.num_nextn_predict_layers}
+        if placement.dim() != 2 or placement.shape[0] not in rows:
+            with_mtp = " (and one for the MTP module's)" if len(rows) > 1 else ""
             raise ValueError(
-                f"an expert placement needs a row per MoE layer ({args.num_moe_layers}), "
-                f"got shape {tuple(placement.shape)}"
+                f"an expert placement needs a row per MoE layer ({args.num_moe_layers})"
+                f"{with_mtp}, got shape {tuple(placement.shape)}"
             )
         num_physical_experts = num_physical_experts or placement.shape[1]
         if placement.shape[1] != num_physical_experts:
@@ -105,10 +107,9 @@ def _build(
         if isinstance(module, (FP8Linear, FP8Experts)):
             module.zero_padding()
     default = default_placement(args.n_routed_experts, slots)
-    layers = model.moe_layers() + ([model.mtp.mlp] if model.mtp else [])
-    for i, moe in enumerate(layers):
+    for i, moe in enumerate(model.moe_layers(mtp=True)):
         if moe.location is not None:
-            # the MTP module's experts sit as by default: placements are of the model's layers
+            # a placement without the MTP module's row leaves its experts as by default
             moe.location.place(
                 default if placement is None or i >= len(placement) else placement[i]
             )

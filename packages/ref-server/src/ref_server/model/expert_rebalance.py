@@ -254,7 +254,7 @@ def regroup_experts(model, sources: list[int | None], group: dist.ProcessGroup, 
     (`ref_server.model.checkpoint.reload_experts`). Every rank of group calls it together; a
     joining rank learns the placement in force and the load from the lowest rank that was
     there."""
-    layers = model.moe_layers() + ([model.mtp.mlp] if model.mtp else [])
+    layers = model.moe_layers(mtp=True)
     location = layers[0].location
     if location is None:
         raise ValueError("placing experts over other ranks needs a model built with expert slots")
@@ -265,7 +265,6 @@ def regroup_experts(model, sources: list[int | None], group: dist.ProcessGroup, 
         tables, before, load = _from_a_rank_that_was_there(sources, group, tables, before, load)
     per_rank = max(ep.initial_per_rank, -(-location.num_logical // ranks))
     widest = max(before, per_rank)  # the moves run over as many slots as any rank has
-    # the MTP module's layer, past the model's in load, stays even
     _, placement = regroup_placement(tables.numpy(), sources, before, per_rank, load)
     ep.regroup(group, per_rank * ranks)
     moved = Moved()

@@ -155,8 +155,12 @@ class Transformer(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         return self.rope(torch.arange(input_ids.shape[1], device=input_ids.device), dtype)
 
-    def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+    def moe_layers(self, mtp: bool = False) -> list[MoE]:
+        """The model's MoE layers; mtp: and the MTP module's after them, where there is one."""
+        layers = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if mtp and self.mtp is not None and isinstance(self.mtp.mlp, MoE):
+            layers.append(self.mtp.mlp)
+        return layers
 
     def operations(self, cache: PagedKVCache, schedule: str) -> list:
         """A whole cached step as one op list: embed, every layer's ops, the head."""

@@ -369,12 +369,9 @@ class ServeConfig:
             return [f"draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens}"]
         if self.speculative == "off":
             return []
-        problems = []
-        if self.eplb_interval or self.redundant_experts:
-            problems.append("speculative mtp does not balance experts (EPLB, redundant experts)")
         if self.overlap_steps == "on":
-            problems.append("speculative mtp does not overlap steps (overlap_steps on)")
-        return problems
+            return ["speculative mtp does not overlap steps (overlap_steps on)"]
+        return []
 
     @property
     def model_name(self) -> str:
