@@ -1,11 +1,13 @@
 """One rank of an elastic expert-parallel instance in the elastic tests (imported by name in a
 spawned process): an engine loop serving its own requests, of which `victim` is lost mid-step
-(killed, or stopped and later continued by the test) or whose exchange fails. It puts
+(killed, or stopped and later continued by the test) or whose exchange fails. The model is a
+checkpoint's, or with draft tokens the tiny preset's with its MTP module (`model`). It puts
 (rank, "phase", what it does now) on `results` as it goes, and once (rank, "result", what it
 served), by the test's deadline less REPORT_MARGIN_S whatever it reached."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -26,6 +28,16 @@ CONFIG = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_model
 MAX_TOKENS = 24
 REPORT_MARGIN_S = 10.0  # for the result to reach the test before its deadline
 PROGRESS_S = 15.0  # between a waiting rank's reports of how far it got
+DRAFTING = dataclasses.replace(M.PRESETS["tiny"], hidden_size=128, num_nextn_predict_layers=1)
+
+
+def model(path: str, draft_tokens: int, device: str, **options) -> M.Model:
+    """The checkpoint at path, or for an instance drafting, DRAFTING's random weights (the
+    module's experts reloaded from the same seed where a rank is lost)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if draft_tokens:
+        return M.from_args(DRAFTING, seed=7, dtype=dtype, device=device, **options)
+    return M.from_pretrained(path, dtype=dtype, device=device, **options)
 
 
 def prompts_of(rank: int, name: str) -> list[list[int]]:
@@ -36,7 +48,8 @@ def prompts_of(rank: int, name: str) -> list[list[int]]:
 
 def inject(runner, fault: str, store) -> None:
     """The fault, once, after noting the time in the store ("lost_at"): "kill" (SIGKILL) in this
-    rank's third decode step or "stop" (SIGSTOP) in its first prefill step, in the middle of it:
+    rank's third decode (or verify) step or "stop" (SIGSTOP) in its first prefill step, in the
+    middle of it:
     an eager step in the second MoE layer's dispatch, a step replayed from a CUDA graph (decode
     on the GPU) just before the replay, once the ranks have planned it (nothing runs between a
     graph's exchanges: the others wait in its first). "fail": in its third decode step its
@@ -60,8 +73,9 @@ def inject(runner, fault: str, store) -> None:
         step = plan(batch, s_q)
         if batch is None or seen["fired"]:
             return step
-        seen["decode"] += batch.is_decode
-        due = not batch.is_decode if fault == "stop" else seen["decode"] == 3
+        decode = batch.is_decode or s_q is not None  # a verify step: its newest and drafts
+        seen["decode"] += decode
+        due = not decode if fault == "stop" else seen["decode"] == 3
         if not due:
             return step
         seen["fired"] = True
@@ -84,6 +98,7 @@ def serve(
     path: str,
     victim: int,
     fault: str,
+    draft_tokens: int,
     device: str,
     failure_timeout: float,
     deadline: float,
@@ -110,13 +125,10 @@ def serve(
     members = Membership(
         address, rank, ranks, timedelta(seconds=failure_timeout), timedelta(seconds=left())
     )
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = M.from_pretrained(
-        path, dtype=dtype, device=device, group=members.join(), num_physical_experts=8
-    )
-    model.expert_parallel.timeout = members.timeout
+    ours = model(path, draft_tokens, device, group=members.join(), num_physical_experts=8)
+    ours.expert_parallel.timeout = members.timeout
     phase("building the engine (ep_comm buffers, decode graphs)")
-    engine = Engine(model, CONFIG, two_batch="off")
+    engine = Engine(ours, CONFIG, two_batch="off", draft_tokens=draft_tokens)
     members.ready()
     host, port = address.rsplit(":", 1)
 

@@ -17,10 +17,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
-import ref_server.model as M
 from ref_server.engine import FinishReason
 from ref_server.services import elastic
 from ref_server.services.deployment import free_port
@@ -42,7 +40,7 @@ def checkpoint(checkpoints, tmp_path):
 
 
 def run_instance(
-    path, ranks: int, victim: int, fault: str, device: str = "cpu"
+    path, ranks: int, victim: int, fault: str, device: str = "cpu", draft_tokens: int = 0
 ) -> tuple[dict, float, dict]:
     """Spawn the ranks, one of which is lost (fault "kill": SIGKILL mid-decode; "stop":
     SIGSTOP mid-prefill, then SIGCONT once the others have served again) or has its exchange
@@ -59,7 +57,7 @@ def run_instance(
     started = time.time()
     deadline = started + budget
     serve = elastic_ranks().serve
-    rest = (str(path), victim, fault, device, FAILURE_TIMEOUT_S, deadline, results)
+    rest = (str(path), victim, fault, draft_tokens, device, FAILURE_TIMEOUT_S, deadline, results)
     processes = [
         context.Process(target=serve, args=(rank, ranks, f"127.0.0.1:{port}", *rest), daemon=True)
         for rank in range(ranks)
@@ -151,6 +149,16 @@ def test_an_exchange_that_fails_without_losing_a_rank_keeps_every_request(checkp
     check_goes_on(checkpoint, serving, 4, 1, "fail", "cpu")
 
 
+def test_an_instance_drafting_with_the_mtp_module_goes_on_over_the_ranks_it_did_not_lose(
+    serving,
+):
+    """As above with speculative decoding (the tiny preset's random weights and MTP module,
+    two drafts a round, almost all rejected): rank 2 is killed in its third verify step; the
+    others regroup (the module's experts placed with the model's) and every one of their
+    requests completes with one process's tokens, the later ones too."""
+    check_goes_on(None, serving, 4, 2, "kill", "cpu", draft_tokens=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("victim", "fault"), FAULTS)
 def test_an_instance_on_the_gpu_goes_on_over_the_ranks_it_did_not_lose(
@@ -164,10 +172,11 @@ def test_an_instance_on_the_gpu_goes_on_over_the_ranks_it_did_not_lose(
     check_goes_on(checkpoint, serving, 4, victim, fault, "cuda")
 
 
-def check_goes_on(checkpoint, serving, ranks: int, victim: int, fault: str, device: str) -> None:
-    got, lost_at, _ = run_instance(checkpoint, ranks, victim, fault, device)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    reference = M.from_pretrained(checkpoint, dtype=dtype, device=device)
+def check_goes_on(
+    checkpoint, serving, ranks: int, victim: int, fault: str, device: str, draft_tokens: int = 0
+) -> None:
+    got, lost_at, _ = run_instance(checkpoint, ranks, victim, fault, device, draft_tokens)
+    reference = elastic_ranks().model(checkpoint, draft_tokens, device)
     survivors = [r for r in range(ranks) if r != victim or fault == "fail"]
     bound = SERVING_AGAIN_S if fault == "kill" else FAILURE_TIMEOUT_S + SERVING_AGAIN_S
     for rank in survivors:
