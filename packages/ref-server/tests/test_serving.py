@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -667,6 +668,56 @@ def test_a_rank_that_dies_takes_its_instance_out_of_service(serving):
         for rank in ranks:
             rank.kill()
             rank.wait()
+
+
+def test_calls_to_a_stopped_instance_end_once_its_health_checks_fail(serving):
+    """An instance stopped (SIGSTOP) keeps its connections open. A request whose prefill
+    instance stopped moves to the other one as soon as the router drops it (two failed checks
+    0.5 s apart); one streaming from a decode instance that stopped ends UNAVAILABLE, naming
+    it, at that point, not at the request's 120 s deadline. Continued, both serve again."""
+    config = serving.config(
+        prefill_instances=2, health_interval_s=0.5, health_failures=2, request_timeout_s=120
+    )
+    running = Deployment(config, startup_timeout=120)
+    prefill = running.children[running.addresses("prefill")[0]]  # the first pick of ties
+    decode = running.children[running.addresses("decode")[0]]
+    stopped_at, chunks = [], []
+
+    def stop_decode_at_the_third_chunk(_) -> None:
+        if not stopped_at and len(chunks) == 2:
+            decode.send_signal(signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+        chunks.append(None)
+
+    try:
+        client = Client(running.address)
+        prefill.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        assert len(client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids) == 4
+        assert time.monotonic() - start < 10
+        prefill.send_signal(signal.SIGCONT)
+        with pytest.raises(grpc.RpcError) as ended:
+            client.generate(
+                list(range(3, 20)), temperature=0, max_tokens=200, timeout=120,
+                on_chunk=stop_decode_at_the_third_chunk,
+            )  # fmt: skip
+        waited = time.monotonic() - stopped_at[0]
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert ended.value.details() == "decode at decode-0 stopped answering its health checks"
+        assert waited < 10, waited
+        decode.send_signal(signal.SIGCONT)
+
+        def both_prefill_instances_back() -> bool:
+            workers = client.server_info().workers
+            return client.health() == "SERVING" and all(w.healthy for w in workers)
+
+        serving.wait_until(both_prefill_instances_back, 30, "every instance healthy again")
+        assert len(client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids) == 4
+        client.close()
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+        decode.send_signal(signal.SIGCONT)
+        running.stop()
 
 
 def test_an_elastic_instance_goes_on_over_the_rank_it_has_left_and_takes_it_back(

@@ -439,8 +439,17 @@ class Router:
             worker.routed_tokens += len(prompt)
             flight.prefills.append(worker)
             call = worker.prefill.Prefill(message, timeout=timeout)
+            watch = worker.cancel_when_down(call)
             try:
                 first = await call
+            except asyncio.CancelledError:
+                if not watch.done() or watch.cancelled():
+                    raise
+                tried.add(worker)
+                unreachable = f"{worker.name} stopped answering its health checks"
+                log.warning("%s (%s) stopped answering its health checks: the prefill moves",
+                            worker.name, worker.address)  # fmt: skip
+                continue
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     self.pool.failed(worker)
@@ -455,6 +464,7 @@ class Router:
                 # yet), the call would run on at the instance unless cancelled here, and hold
                 # pages after `_ended`'s Release found none
                 call.cancel()
+                watch.cancel()
                 worker.assigned -= 1
             flight.cached_tokens = first.cached_tokens
             self.pool.prefilled(choice, leaves, first.cached_tokens // page)
@@ -494,6 +504,7 @@ class Router:
             timeout = self._remaining(flight)  # may raise: before the count it would leak
             worker.assigned += 1
             call = worker.decode.Decode(message, timeout=timeout)
+            watch = worker.cancel_when_down(call)
             try:
                 opening = await call.read()
                 if opening is grpc.aio.EOF:
@@ -503,6 +514,12 @@ class Router:
                 transfer = first.num_pages * self.model.page_bytes
                 self.metrics.transfer_bytes.labels(label).inc(transfer)
                 return await self._stream(flight, call, text, events)
+            except asyncio.CancelledError:
+                if not watch.done() or watch.cancelled():
+                    raise
+                message = f"decode at {worker.name} stopped answering its health checks"
+                log.warning("%s (%s)", message, worker.address)
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, message) from None
             except grpc.aio.AioRpcError as error:
                 code = error.code()
                 if flight.stage == "decode":  # tokens went out: the request cannot move
@@ -523,6 +540,7 @@ class Router:
                 raise self._failure(worker, error, "decode") from None
             finally:
                 call.cancel()
+                watch.cancel()
                 worker.assigned -= 1
                 if flight.stage == "decode":  # it held room there, now free for the next
                     self.room.freed()

@@ -83,6 +83,8 @@ class Worker:
     load: pb.WorkerLoad = field(default_factory=pb.WorkerLoad)
     assigned: int = 0  # this router's requests in flight there (loads lag behind)
     routed_tokens: int = 0  # prompt tokens this router sent there since its load was read
+    # set when it is dropped: calls in flight there end (`cancel_when_down`)
+    went_down: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.channel = internal_channel(
@@ -93,6 +95,15 @@ class Worker:
         self.decode = rpc.DecodeStub(self.channel)
         self.kv = rpc.KvTransferStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def cancel_when_down(self, call) -> asyncio.Future:
+        """A watch that cancels `call` (made to this worker) if the worker is dropped first:
+        a process that stopped (SIGSTOP, a hung host) keeps its connections open, so the call
+        alone would wait out the request's deadline. Once the watch is done and not cancelled,
+        the call's CancelledError means the worker went down. Cancel the watch with the call."""
+        watch = asyncio.ensure_future(self.went_down.wait())
+        watch.add_done_callback(lambda done: done.cancelled() or call.cancel())
+        return watch
 
     @property
     def share(self) -> float:
@@ -202,6 +213,8 @@ class WorkerPool:
             self.failed(worker)
             return
         worker.failures = 0
+        if not worker.healthy:
+            worker.went_down = asyncio.Event()
         worker.healthy = True
 
     async def _register(self, worker: Worker) -> None:
@@ -225,6 +238,7 @@ class WorkerPool:
         if worker.failures >= self.max_failures and worker.healthy:
             log.warning("%s (%s) is down", worker.name, worker.address)
             worker.healthy = worker.routable = False
+            worker.went_down.set()
             worker.info = None  # registered again when it comes back
             self.prefixes.drop(worker.name)
             self.on_update()
