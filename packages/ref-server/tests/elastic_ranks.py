@@ -91,6 +91,17 @@ def inject(runner, fault: str, store) -> None:
     runner.plan = planned
 
 
+def die_joining(members: Membership, store) -> None:
+    """SIGKILL as this rank starts to join the group formed after the first loss: lost after
+    the others agreed it was there, before the group forms."""
+
+    def join():
+        store.set("second_lost_at", repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    members.join = join
+
+
 def serve(
     rank: int,
     ranks: int,
@@ -136,7 +147,9 @@ def serve(
         return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
 
     if rank == victim:
-        inject(engine.runner, fault, client(left()))
+        inject(engine.runner, "kill" if fault == "kill-two" else fault, client(left()))
+    if fault == "kill-two" and rank == (victim + 1) % ranks:
+        die_joining(members, client(left()))
     stopped = threading.Event()
     loop = EngineLoop(engine, membership=members, on_failure=stopped.set)
     served: dict[str, dict] = {}

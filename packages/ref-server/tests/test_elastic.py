@@ -43,8 +43,8 @@ def run_instance(
     path, ranks: int, victim: int, fault: str, device: str = "cpu", draft_tokens: int = 0
 ) -> tuple[dict, float, dict]:
     """Spawn the ranks, one of which is lost (fault "kill": SIGKILL mid-decode; "stop":
-    SIGSTOP mid-prefill, then SIGCONT once the others have served again) or has its exchange
-    fail ("fail"): each rank's results, when the fault came, and the store the ranks met in.
+    SIGSTOP mid-prefill, then SIGCONT once the others have served again; "kill-two": as kill,
+    and the next rank too, `lost_ranks`) or has its exchange fail ("fail"): each rank's results, when the fault came, and the store the ranks met in.
     Prints each rank's phases as they come; fails, naming the phase each rank was in, when
     they do not report within BUDGET_S."""
     port = free_port()
@@ -95,7 +95,7 @@ def run_instance(
     for process in processes:
         process.start()
     try:
-        lost = {victim} if fault in ("kill", "stop") else set()
+        lost = lost_ranks(ranks, victim, fault)
         collect(set(range(ranks)) - lost, "their results")
         if fault == "stop":  # continued, the victim finds itself left out
             os.kill(processes[victim].pid, signal.SIGCONT)
@@ -128,6 +128,14 @@ def elastic_ranks():
 FAULTS = [pytest.param(2, "kill", id="rank2-killed"), pytest.param(0, "stop", id="rank0-stopped")]
 
 
+def lost_ranks(ranks: int, victim: int, fault: str) -> set[int]:
+    """The ranks a fault loses: "kill-two" loses the victim (killed mid-decode) and the rank
+    after it (killed as it joins the group formed without the victim)."""
+    if fault == "kill-two":
+        return {victim, (victim + 1) % ranks}
+    return {victim} if fault in ("kill", "stop") else set()
+
+
 @pytest.mark.parametrize(("victim", "fault"), FAULTS)
 def test_an_instance_goes_on_over_the_ranks_it_did_not_lose(checkpoint, serving, victim, fault):
     """Four ranks serving two requests each; rank 2 is killed (SIGKILL) in its third decode
@@ -147,6 +155,14 @@ def test_an_exchange_that_fails_without_losing_a_rank_keeps_every_request(checkp
     leaves it): every rank raises from the step's check, all four agree on themselves, go on
     over a new group and buffer, and every request completes with one process's tokens."""
     check_goes_on(checkpoint, serving, 4, 1, "fail", "cpu")
+
+
+def test_a_rank_lost_before_the_new_group_forms_is_agreed_lost_too(checkpoint, serving):
+    """Rank 1 is killed mid-decode and rank 2 as it joins the group formed after that (the
+    others agreed it was there): their join waits the failure timeout for it, they agree again
+    without it and go on over ranks 0 and 3, every request of theirs complete with one
+    process's tokens."""
+    check_goes_on(checkpoint, serving, 4, 1, "kill-two", "cpu")
 
 
 def test_an_instance_drafting_with_the_mtp_module_goes_on_over_the_ranks_it_did_not_lose(
@@ -177,7 +193,7 @@ def check_goes_on(
 ) -> None:
     got, lost_at, _ = run_instance(checkpoint, ranks, victim, fault, device, draft_tokens)
     reference = elastic_ranks().model(checkpoint, draft_tokens, device)
-    survivors = [r for r in range(ranks) if r != victim or fault == "fail"]
+    survivors = sorted(set(range(ranks)) - lost_ranks(ranks, victim, fault))
     bound = SERVING_AGAIN_S if fault == "kill" else FAILURE_TIMEOUT_S + SERVING_AGAIN_S
     for rank in survivors:
         result = got[rank]

@@ -19,7 +19,9 @@ connections, so that the ranks still waiting on it fail at once too, and calls `
 
 So a rank that dies is agreed lost within STALE_S of the first failed collective (which fails
 at once where its connections close, else within `timeout`), and a rank that stops answering
-but beats (hung in a kernel) within `timeout` more.
+but beats (hung in a kernel) within `timeout` more. One lost after the agreement, before the
+new group forms, is agreed lost the same way once the others' join has waited `timeout` for
+it (`regroup`).
 
 A lost member comes back as a new process with its member id (`serve --elastic --join`): it
 loads the model, sets `joining/<id>` and waits (`wait_admitted`) for a generation whose members
@@ -162,6 +164,26 @@ class Membership:
         lost = sorted(set(before) - set(members))
         log.warning("the instance's ranks agreed on %s (lost: %s)", members, lost or "none")
         return [before.index(m) for m in members]
+
+    def regroup(self) -> tuple[dist.ProcessGroup, list[int]]:
+        """After a failure: `agree` on the members left and `join` their group; where one of
+        them is lost before the group forms (the others' join waits `timeout` for it), agree
+        again without it, as often as members are lost so. The group and the survivors as
+        their ranks in the group before the failure; LeftOut as `agree`; a join that fails
+        with no member lost raises its error."""
+        sources, failed = list(range(len(self.members))), None
+        while True:
+            before = len(self.members)
+            survivors = self.agree()
+            if failed is not None and len(survivors) == before:
+                raise failed
+            sources = [sources[i] for i in survivors]
+            try:
+                return self.join(), sources
+            except Exception as error:  # DistStoreError and kin: a member never came
+                log.error("the group of ranks %s did not form (%s)", self.members, error)
+                self.leave()
+                failed = error
 
     def joiner(self) -> int | None:
         """A lost member waiting to join (`wait_admitted`), as the lowest rank finds it at most

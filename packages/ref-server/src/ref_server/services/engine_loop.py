@@ -350,8 +350,9 @@ class EngineLoop:
 
     def _regroup(self, why: str) -> None:
         """An elastic instance's ranks after a failure: agree on who is left and go on over
-        them; the loop stops (`_fail`) if this rank was left out or that fails (a rank lost
-        meanwhile among them), or if it is stopping (its peers are, too)."""
+        them (`Membership.regroup`: again without a rank lost before their group formed); the
+        loop stops (`_fail`) if this rank was left out, if placing the experts fails (a rank
+        lost while they move), or if it is stopping (its peers are, too)."""
         if self.stopped:
             self._fail(why)
             return
@@ -361,8 +362,8 @@ class EngineLoop:
         self.engine.leave_group()  # its connections close: peers waiting on this rank fail now
         self.membership.leave()
         try:
-            survivors = self.membership.agree()
-            self.engine.regroup(self.membership.join(), survivors)
+            group, survivors = self.membership.regroup()
+            self.engine.regroup(group, survivors)
         except Exception as error:
             log.exception("the instance could not go on over the ranks left")
             self._fail(f"the instance could not go on over the ranks left: {one_line(error)}")
