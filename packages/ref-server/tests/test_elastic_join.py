@@ -163,3 +163,16 @@ def test_fewer_slots_keep_the_first_ones_weights():
     assert experts.num_experts == 3
     for before, after in zip(first, experts.parameters(), strict=True):
         assert torch.equal(before, after)
+
+
+def test_a_joining_rank_loads_every_weight_but_its_routed_experts(checkpoint):
+    """Its routed experts come from the instance when it is admitted: built to join, a model
+    reads every other weight from the checkpoint and holds zeros in its expert slots."""
+    joining = M.from_pretrained(checkpoint, dtype=torch.float32, joining=(1, 2))
+    whole = M.from_pretrained(checkpoint, dtype=torch.float32)
+    theirs = whole.state_dict()
+    for name, ours in joining.state_dict().items():
+        if ".mlp.experts." in name:
+            assert not ours.any(), name
+        elif ".location." not in name:
+            assert torch.equal(ours, theirs[name]), name

@@ -13,6 +13,7 @@ See docs/model.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from ref_server.model.checkpoint import (
 )
 from ref_server.model.cuda_graphs import DecodeGraphs
 from ref_server.model.expert_location import default_placement
+from ref_server.model.expert_rebalance import expert_tensors
 from ref_server.model.fp8 import FP8Experts, FP8Linear, use_fp8
 from ref_server.model.generate import generate
 from ref_server.model.kernel_set import KernelSet, resolve
@@ -114,6 +116,10 @@ def _build(
                 default if placement is None or i >= len(placement) else placement[i]
             )
             moe.location.take_load(moe.first_slot)  # zero the counts
+        if joining:  # its experts come when it is admitted (`_to_load`); until then, zeros
+            with torch.no_grad():
+                for tensor in expert_tensors(moe.experts):
+                    tensor.zero_()
     model.eval()
     return model
 
@@ -143,10 +149,18 @@ def from_args(
         args, dtype, device, group, weight_dtype, num_physical_experts, expert_placement,
         exchange, kernels, joining,
     )  # fmt: skip
-    init_random(model, seed)
+    init_random(model, seed, _to_load(joining))
     model.weights_from = seed
     model.tokenizer = load_tokenizer(model.args)
     return model
+
+
+def _to_load(joining: tuple[int, int] | None) -> Callable[[str], bool]:
+    """Which weights (by checkpoint name) a model loads: a joining rank's routed experts come
+    from the instance when it is admitted (`regroup_experts`), so it skips them."""
+    if joining is None:
+        return lambda name: True
+    return lambda name: ".mlp.experts." not in name
 
 
 def from_preset(name: str, *, mtp: bool = False, **kwargs) -> Model:
@@ -186,7 +200,8 @@ def from_pretrained(
     `ref_server.kernel_choice` and docs/model.md. `model.kernels` says what runs.
 
     joining (rank, ranks) instead of a group: built as that rank of an expert-parallel
-    instance it joins later (`ref_server.services.elastic`), with no group until then."""
+    instance it joins later (`ref_server.services.elastic`), with no group until then; its
+    routed experts' slots stay unloaded (the instance fills each as it admits the rank)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
@@ -201,7 +216,7 @@ def from_pretrained(
         kernels=kernels,
         joining=joining,
     )
-    load_weights(model, path)
+    load_weights(model, path, _to_load(joining))
     model.weights_from = path
     model.tokenizer = load_tokenizer(model.args, path)
     return model
