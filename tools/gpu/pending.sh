@@ -13,8 +13,8 @@
 # Before a call that builds changed CUDA code (any csrc/), run tools/check_cuda_build.py on the
 # CPU machine: it compiles and links each extension as the GPU machine will (docs/development.md).
 # When a stage's figures are in docs/benchmarks.md, take it off PENDING below.
-# Calls that fit the 10-minute limit, most wanted first: `ref-model mtp-bench`, `indexer
-# ref-serving`, `elastic`, `mla-sparse` (with the sparse peer), then `ep-tests
+# Calls that fit the 10-minute limit, most wanted first: `ref-model mtp-bench`, `mtp-sampled
+# indexer`, `ref-serving`, `elastic`, `mla-sparse` (with the sparse peer), then `ep-tests
 # ep-nvshmem-watchdog ref-kernels`, `mla-peer mla-fp8-registers`, `ref-model-ab`,
 # `deepseek-kernels`.
 set -uo pipefail
@@ -42,6 +42,7 @@ declare -A PENDING=(
   [ref-model-ab]="bench_model.py (v2-lite, bf16, batches 1, 32, 128) as is, with REF_SERVER_FUSED_SWIGLU=1, and with --overlap-steps on, one after another in one call"
   [mla-fp8-registers]="bench_decode.py --peer --tables fp8,fp8-registers: the FP8 cache against its bf16 twin with the narrow kernel that dequantizes in registers (MLA_KERNELS_FP8_IN_REGISTERS=1) beside the default one; its tests are in mla-tests"
   [indexer]="ref-server's V3.2 indexer kernels (on by default on CUDA now): test_indexer_kernels.py's gpu tests (the kernel now held to logits_error_bound, the FP8 accumulation's error, per logit: at 1e-4 of the largest logit 5 of 7 failed on an H100 at 7bc1a51), then bench_indexer.py on the current kernel (its last run was 25edc27's)"
+  [mtp-sampled]="bench_speculative.py --temperature 0.8: sampled requests drafting eagerly (each draft step's rows drawn at once since f02f0b7, not GPU-timed) and in draft graphs that sample (REF_SERVER_MTP_SAMPLED_GRAPHS=1, off by default until this runs; its test is test_speculative_gpu.py's test_sampled_requests_draft_in_graphs_as_eagerly, in ref-model)"
   [mtp-bench]="bench_speculative.py: rerun after any change to the speculative engine's host path (at 7bc1a51 on an H100 its verify phase took 31-64 ms a round at batch 128 against 15-17 ms replays, and MTP gave 0.72-0.91x plain there)"
   [elastic]="ref-server's elastic instances on the GPU (test_elastic.py's two gpu tests, REF_SERVER_ELASTIC_GPU's path, after building ep_comm's extensions): four ranks sharing the GPU lose rank 2 (SIGKILL, just before its third decode step's graph replays) or rank 0 (SIGSTOP, mid-prefill) and go on over new ep_comm buffers among the others; each test prints every rank's phases (-s) and fails within 100 s naming the state a rank did not reach, so the stage takes at most about 250 s. At 7bc1a51 the kill never came (decode replayed from graphs) and the test hung 300 s; expected now: the survivors' regroup fails with ValueError 'NVSHMEM already runs in this process' (packages/ref-server/NOTES.md)"
   [deepseek-kernels]="ref-server's --kernels deepseek: test_deepseek_kernels_gpu.py (FlashMLA, DeepGEMM, DeepEP against ours; DeepEP's test takes 2 GPUs) and bench_model.py --kernels ours,deepseek:... (V2-Lite's first 9 layers in FP8), with the libraries built beside into DEEPSEEK_LIBS"
@@ -92,6 +93,11 @@ elastic() {
 
 mtp-bench() {
   python3 packages/ref-server/benchmarks/bench_speculative.py --json "$logs/mtp-bench.json"
+}
+
+mtp-sampled() {
+  python3 packages/ref-server/benchmarks/bench_speculative.py --temperature 0.8 --batches 32 \
+    --engine-batches 1,32,128 --draft-tokens 1,3 --rates 0,0.85,0.9 --json "$logs/mtp-sampled.json"
 }
 
 indexer() {

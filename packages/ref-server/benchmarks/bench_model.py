@@ -258,12 +258,14 @@ def engine_for(model, batch: int, longest: int, **engine_options) -> Engine:
     return Engine(model, config, prefill_graph_tokens=0, **engine_options)
 
 
-def fill(engine: Engine, batch: int, prompt: int, max_tokens: int) -> None:
+def fill(
+    engine: Engine, batch: int, prompt: int, max_tokens: int, temperature: float = 0.0
+) -> None:
     """`batch` requests of `prompt` random tokens, each with room for max_tokens and a seed of
-    its own, stepped until every one decodes."""
+    its own (sampled at temperature; 0: greedy), stepped until every one decodes."""
     vocab = engine.model.args.vocab_size
     for seed in range(batch):
-        params = SamplingParams(max_tokens=max_tokens, seed=seed)
+        params = SamplingParams(max_tokens=max_tokens, seed=seed, temperature=temperature)
         engine.add(torch.randint(2, vocab, (prompt,)).tolist(), params)
     scheduler = engine.scheduler
     while scheduler.waiting or any(seq.num_uncomputed > 1 for seq in scheduler.running):

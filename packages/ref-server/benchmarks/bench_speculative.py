@@ -35,7 +35,9 @@ ignored, so the batch keeps its size), prefilled, two untimed steps, then `--ste
 first the plain engine (its decode steps replayed from CUDA graphs on CUDA), then one engine
 per K of `--draft-tokens` (`Engine(draft_tokens=K)`, the drafts accepted per sequence on the
 host) with its verify and draft steps eager, and on CUDA another with REF_SERVER_MTP_GRAPHS=1
-(replayed from graphs), each at each rate of `--rates`, with fresh requests for each rate
+(replayed from graphs; with `--temperature` above 0 its drafts are sampled eagerly, and a third
+engine, path "graphs-sampling", adds REF_SERVER_MTP_SAMPLED_GRAPHS=1: the drafts sampled in
+the draft graphs), each at each rate of `--rates`, with fresh requests for each rate
 (every rate starts from the same context length); each row names its path. Tokens per second:
 the timed steps' tokens over their seconds; beside it the accepted length measured
 (`Engine.speculative_stats`) and the one the rate gives, and each step's time split into verify
@@ -71,7 +73,7 @@ from bench_model import (
 )
 
 import ref_server.model as M
-from ref_server.engine.model_runner import MTP_GRAPHS
+from ref_server.engine.model_runner import MTP_GRAPHS, MTP_SAMPLED_GRAPHS
 from ref_server.model import SamplingParams, StepBatch
 from ref_server.model.speculative import MAX_DRAFT_TOKENS, SpeculativeStats, check_draft_tokens
 from ref_server.model.speculative_graphs import SpeculativeSteps
@@ -214,25 +216,30 @@ def expected_accepted_length(rate: float, k: int) -> float:
     return sum(rate**j for j in range(k + 1))
 
 
-def curve_engine(model, batch: int, prompt: int, k: int, steps: int, mtp_graphs: bool = False):
-    """An engine of k drafts a round (0: none) for `batch` requests of `prompt` tokens, with
-    REF_SERVER_MTP_GRAPHS set as mtp_graphs says, and the max_tokens its requests take: none
-    ends within two untimed and `steps` timed steps."""
+def curve_engine(model, batch: int, prompt: int, k: int, steps: int, graphs: str = "eager"):
+    """An engine of k drafts a round (0: none) for `batch` requests of `prompt` tokens, its
+    speculative steps as graphs says ("eager", "graphs", "graphs-sampling": REF_SERVER_MTP_GRAPHS
+    and REF_SERVER_MTP_SAMPLED_GRAPHS), and the max_tokens its requests take: none ends within
+    two untimed and `steps` timed steps."""
     # room for every round's k drafts up to the last step's: max_tokens never cuts one short
     max_tokens = (steps + 3) * (k + 1)
-    with mock.patch.dict(os.environ, {MTP_GRAPHS: "1" if mtp_graphs else "0"}):
+    switches = {
+        MTP_GRAPHS: "0" if graphs == "eager" else "1",
+        MTP_SAMPLED_GRAPHS: "1" if graphs == "graphs-sampling" else "0",
+    }
+    with mock.patch.dict(os.environ, switches):
         engine = engine_for(model, batch, prompt + max_tokens, draft_tokens=k)
     # random weights' argmax may be the end token at any step: the batch must keep its size
     engine.eos_ids = frozenset()
     return engine, max_tokens
 
 
-def refill(engine, batch: int, prompt: int, max_tokens: int) -> None:
+def refill(engine, batch: int, prompt: int, max_tokens: int, temperature: float) -> None:
     """Fresh requests (`fill`; those running aborted, so that every run starts from the same
     context length), stepped twice past their prefill, untimed."""
     for seq in list(engine.scheduler.running):
         engine.abort(seq.request_id)
-    fill(engine, batch, prompt, max_tokens)
+    fill(engine, batch, prompt, max_tokens, temperature)
     step_times(engine, 2)
 
 
@@ -242,12 +249,12 @@ def timed_total(engine, steps: int) -> tuple[int, float]:
     return sum(tokens), sum(seconds)
 
 
-def engine_curve(model, batch, prompt, draft_tokens, rates, steps) -> list[dict]:
+def engine_curve(model, batch, prompt, draft_tokens, rates, steps, temperature) -> list[dict]:
     """The plain engine's decode tokens per second at `batch`, then for each K of draft_tokens
     a row per forced acceptance rate, its steps eager and on CUDA also from graphs (see the
-    module's docstring)."""
+    module's docstring); requests sampled at temperature (0: greedy)."""
     plain, max_tokens = curve_engine(model, batch, prompt, 0, steps)
-    refill(plain, batch, prompt, max_tokens)
+    refill(plain, batch, prompt, max_tokens, temperature)
     tokens, seconds = timed_total(plain, steps)
     plain_tok_s = tokens / seconds
     path = "graphs" if plain.runner.decode_graphs else "eager"
@@ -263,15 +270,16 @@ def engine_curve(model, batch, prompt, draft_tokens, rates, steps) -> list[dict]
             step_ms=seconds / steps * 1e3,
         )
     ]
-    cuda = model.embed_tokens.weight.is_cuda
-    for k, mtp_graphs in itertools.product(draft_tokens, (False, True) if cuda else (False,)):
+    paths = ["eager"]
+    if model.embed_tokens.weight.is_cuda:
+        paths += ["graphs", "graphs-sampling"] if temperature else ["graphs"]
+    for k, path in itertools.product(draft_tokens, paths):
         free_device_memory(model)  # the last engine's cache and graphs, before this one's
-        engine, max_tokens = curve_engine(model, batch, prompt, k, steps, mtp_graphs)
-        path = "graphs" if engine.runner.speculative.captured else "eager"
+        engine, max_tokens = curve_engine(model, batch, prompt, k, steps, path)
         parts, stats = RunnerTimes(engine.runner), engine.speculative_stats
         for rate in rates:
             engine.forced_acceptance = rate
-            refill(engine, batch, prompt, max_tokens)
+            refill(engine, batch, prompt, max_tokens, temperature)
             before, spent = dataclasses.replace(stats), dict(parts.seconds)
             tokens, seconds = timed_total(engine, steps)
             counted = SpeculativeStats(
@@ -442,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", default="0,0.25,0.5,0.7,0.85,0.9,1", help="forced acceptance")
     parser.add_argument("--steps", type=int, default=10, help="timed engine steps a rate")
     parser.add_argument("--reps", type=int, default=5, help="timed calls of each step cost")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="the engine's requests' (0: greedy)"
+    )
     parser.add_argument("--json")
     options = parser.parse_args(argv)
     try:
@@ -453,6 +464,8 @@ def main(argv: list[str] | None = None) -> None:
         rates = rate_list(options.rates)
         for name in ("prompt", "steps", "reps"):
             positive_ints(f"--{name}", str(getattr(options, name)))
+        if not 0 <= options.temperature <= 100:  # NaN fails too
+            raise ValueError(f"--temperature takes 0 to 100, got {options.temperature}")
     except ValueError as error:
         parser.error(str(error))
     if options.device == "cuda" and not cuda:
@@ -467,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {preset} ({model.args.num_hidden_layers} layers and the MTP module, "
         f"{parameters / 1e9:.2f} B parameters), random weights, {where}, {dtype}; "
-        f"{options.prompt} tokens a sequence before decoding"
+        f"{options.prompt} tokens a sequence before decoding; the engine's requests "
+        + (f"sampled at temperature {options.temperature:g}" if options.temperature else "greedy")
     )
     document = dict(vars(options), device=where, preset=preset, published=PUBLISHED)
 
@@ -488,7 +502,9 @@ def main(argv: list[str] | None = None) -> None:
     free_device_memory(model)  # the step costs' cache, before the engines'
     curve = []
     for batch in engine_batches:
-        curve += engine_curve(model, batch, options.prompt, draft_tokens, rates, options.steps)
+        curve += engine_curve(
+            model, batch, options.prompt, draft_tokens, rates, options.steps, options.temperature
+        )
     print_engine(curve)
     projected = projection(curve)
     print_projection(projected)

@@ -106,6 +106,28 @@ def test_a_cpu_run_gives_every_figure_and_the_accepted_lengths_asked_for(
         assert r["speedup"] == pytest.approx(want / plain["tok_s"])
 
 
+def test_sampled_requests_draft_by_sampling(bench, tmp_path, capsys, monkeypatch):
+    """--temperature: the engines' requests are sampled at it."""
+    out, drafted = tmp_path / "speculative.json", []
+    fill = bench.fill
+
+    def recorded(engine, batch, prompt, max_tokens, temperature):
+        drafted.append(temperature)
+        fill(engine, batch, prompt, max_tokens, temperature)
+        assert all(s.params.temperature == temperature for s in engine.scheduler.running)
+
+    monkeypatch.setattr(bench, "fill", recorded)
+    bench.main(
+        ["--device", "cpu", "--preset", "tiny", "--prompt", "12", "--batches", "1",
+         "--engine-batches", "4", "--draft-tokens", "2", "--rates", "0.5", "--steps", "3",
+         "--reps", "1", "--temperature", "0.8", "--json", str(out)]
+    )  # fmt: skip
+    assert "sampled at temperature 0.8" in capsys.readouterr().out
+    assert drafted == [0.8, 0.8]  # the plain engine's requests, the speculative one's
+    rows = json.loads(out.read_text())["engine"]
+    assert [(r["draft_tokens"], r["decode_path"]) for r in rows] == [(0, "eager"), (2, "eager")]
+
+
 def test_help_and_bad_options(bench, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--help"])
@@ -118,6 +140,8 @@ def test_help_and_bad_options(bench, capsys):
         (["--batches", "8,0"], "--batches takes integers >= 1 separated by commas, got '8,0'"),
         (["--engine-batches", "x"], "--engine-batches takes integers >= 1"),
         (["--steps", "0"], "--steps takes integers >= 1 separated by commas, got '0'"),
+        (["--temperature", "-1"], "--temperature takes 0 to 100, got -1.0"),
+        (["--temperature", "nan"], "--temperature takes 0 to 100, got nan"),
     ):
         with pytest.raises(SystemExit) as exit_:
             bench.main(["--device", "cpu", *options])

@@ -57,6 +57,36 @@ def test_the_engine_through_graphs_gives_the_eager_engines_tokens(preset, draft_
             assert graphs.speculative_stats.accepted > 0
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_sampled_requests_draft_in_graphs_as_eagerly(preset):
+    """Sampled requests (top-k, top-p, plain, a greedy one among them) through draft graphs
+    that sample (`sampled_graphs`) against the engine drafting eagerly: the same tokens, with
+    the module's drafts and with drafts accepted half the time."""
+    args = small_lite(preset)
+    model = M.from_args(args, seed=5, dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 4096, (n,), generator=g).tolist() for n in (70, 9, 130, 33)]
+    config = SchedulerConfig(num_blocks=32, block_size=64, max_num_seqs=4, max_model_len=512)
+    kinds = [dict(top_k=20), dict(top_p=0.9), dict(temperature=0.0), {}]
+    params = [
+        SamplingParams(max_tokens=12 + 4 * i, temperature=0.8, seed=i, **kind)
+        for i, kind in enumerate(kinds)
+    ]
+    for forced in (None, 0.5):
+        tokens = []
+        for sampled_graphs in (False, True):
+            engine = Engine(model, config, draft_tokens=2, forced_acceptance=forced)
+            engine.runner.speculative = SpeculativeSteps(
+                model, engine.runner.cache, 2, max_blocks=8, batch_sizes=[1, 2, 3, 4],
+                capture_graphs=sampled_graphs, sampled_graphs=sampled_graphs,
+            )  # fmt: skip
+            seqs = [engine.add(p, q) for p, q in zip(prompts, params, strict=True)]
+            while engine.has_work():
+                engine.step()
+            tokens.append([seq.completion for seq in seqs])
+        assert tokens[1] == tokens[0]
+
+
 def test_the_switch_captures_the_runners_steps(monkeypatch):
     """REF_SERVER_MTP_GRAPHS=1: the runner captures its speculative steps in the buckets of
     max_num_seqs (2: buckets 1 and 2, every batch size) and no decode graphs; greedy tokens

@@ -18,7 +18,7 @@ from overlap_sched.split import Split, split_decode
 from ref_server.engine import Engine, SchedulerConfig
 from ref_server.model import SamplingParams, StepBatch, speculative_graphs
 from ref_server.model.layers import MLP
-from ref_server.model.speculative_graphs import SpeculativeSteps
+from ref_server.model.speculative_graphs import SpeculativeSteps, StaticSampling
 
 PAGE = 16
 BLOCKS = 12
@@ -152,14 +152,28 @@ def capture_eagerly(run, device, pool=None):
     return graph, graph.output
 
 
-@pytest.mark.parametrize("draft_tokens", [1, 2, 3])
-def test_the_engine_through_graphs_gives_the_eager_engines_tokens(draft_tokens, monkeypatch):
+SAMPLED = [  # the five sequences', the shortest first: top-k and top-p end first
+    dict(temperature=0.7, top_k=20, seed=6),
+    dict(temperature=1.1, top_p=0.9, seed=7),
+    dict(temperature=0.0),
+    dict(temperature=0.8, seed=5),
+    dict(temperature=0.9, seed=8),
+]
+
+
+@pytest.mark.parametrize(
+    ("draft_tokens", "sampled"), [(1, False), (2, False), (3, False), (2, True), (3, True)]
+)
+def test_the_engine_through_graphs_gives_the_eager_engines_tokens(
+    draft_tokens, sampled, monkeypatch
+):
     """The engine with its speculative steps captured (each graph stood in for by an eager
-    replay: the bucket's shapes, the static inputs, the argmax drafting) against the engine
-    without graphs: the same greedy tokens, with the module's drafts and with drafts accepted
+    replay: the bucket's shapes, the static inputs, the drafting on the device) against the
+    engine without graphs: the same tokens, with the module's drafts and with drafts accepted
     half the time whatever they are (so that the drafts' tokens reach the text). Five
     sequences decode in the bucket of 8, then fewer in smaller ones, some wanting fewer
-    drafts."""
+    drafts. Greedy, or sampled (drafting in the sampling graphs: a greedy row among sampled
+    ones, with top-k / top-p while those sequences run, without once they have ended)."""
     monkeypatch.setattr(speculative_graphs, "capture", capture_eagerly)
     model = M.from_preset("tiny", mtp=True, seed=23)
     g = torch.Generator().manual_seed(23)
@@ -172,10 +186,14 @@ def test_the_engine_through_graphs_gives_the_eager_engines_tokens(draft_tokens, 
         ]
         runner = engines[1].runner
         runner.speculative = SpeculativeSteps(
-            model, runner.cache, draft_tokens, max_batch=8, max_blocks=16, capture_graphs=True
-        )
+            model, runner.cache, draft_tokens, max_batch=8, max_blocks=16, capture_graphs=True,
+            sampled_graphs=sampled,
+        )  # fmt: skip
         assert runner.speculative.buckets == [1, 2, 4, 8]
-        params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(len(prompts))]
+        params = [
+            SamplingParams(max_tokens=6 + 3 * i, **(SAMPLED[i] if sampled else {}))
+            for i in range(len(prompts))
+        ]
         tokens = []
         for engine in engines:
             seqs = [engine.add(p, q) for p, q in zip(prompts, params, strict=True)]
@@ -184,16 +202,19 @@ def test_the_engine_through_graphs_gives_the_eager_engines_tokens(draft_tokens, 
             tokens.append([seq.completion for seq in seqs])
         assert tokens[1] == tokens[0]
         replays = {key: graph.replays for key, graph in runner.speculative.graphs.items()}
-        assert replays["verify", 8] and replays["draft", 8]  # five sequences padded to eight
-        assert any(replays["verify", b] and replays["draft", b] for b in (1, 2, 4))
+        # five sequences in 8 (two with top-k / top-p); the last, alone, without
+        first, last = ("draft-filtered", "draft-sampled") if sampled else ("draft", "draft")
+        assert replays["verify", 8] and replays[first, 8]
+        assert any(replays["verify", b] and replays[last, b] for b in (1, 2, 4))
         if forced:
             assert engines[1].speculative_stats.accepted > 0
 
 
-@pytest.mark.parametrize("kind", ["verify", "draft"])
+@pytest.mark.parametrize("kind", ["verify", "draft", "draft-filtered"])
 def test_speculative_steps_have_no_data_dependent_shape_nor_host_read(kind):
-    """A V3.2 model's verify and draft steps as their graphs run them, under fake tensors: a
-    shape that depends on a value, or reading one on the host, raises. Every layer dense, the
+    """A V3.2 model's verify and draft steps as their graphs run them (the draft greedy, or
+    sampling with top-k and top-p), under fake tensors: a shape that depends on a value, or
+    reading one on the host, raises. Every layer dense, the
     module's too (the experts' CPU path selects rows by their count; their CUDA path, which
     graphs capture, does not)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -211,12 +232,16 @@ def test_speculative_steps_have_no_data_dependent_shape_nor_host_read(kind):
     else:
         hidden = torch.randn(batch.num_tokens, args.hidden_size, generator=g).bfloat16()
         steps.draft(batch, hidden, [SamplingParams()] * 3, [3, 1, 2])
+    sampling = StaticSampling(4, 3, args.vocab_size, "cpu")
+    params = [SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=s) for s in range(3)]
+    sampling.fill(params, batch.context_lens)
+    choose = sampling.choose(filtered=True) if kind == "draft-filtered" else None
     with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         if kind == "verify":
             logits, hidden = steps.run_verify(4)
             assert logits.shape == (16, args.vocab_size) and hidden.shape == (16, args.hidden_size)
         else:
-            assert steps.run_draft(4).shape == (3, 4)
+            assert steps.run_draft(4, choose).shape == (3, 4)
 
 
 def test_speculative_steps_refuse_what_they_cannot_run():
@@ -248,6 +273,11 @@ def test_the_switch_is_checked_and_captures_nothing_on_the_cpu(monkeypatch):
     with pytest.raises(ValueError, match="REF_SERVER_MTP_GRAPHS must be auto, 1 or 0, got 'yes'"):
         Engine(model, config, draft_tokens=1)
     monkeypatch.delenv("REF_SERVER_MTP_GRAPHS")  # auto: eager where the graphs cannot be
+    monkeypatch.setenv("REF_SERVER_MTP_SAMPLED_GRAPHS", "on")
+    with pytest.raises(ValueError, match="REF_SERVER_MTP_SAMPLED_GRAPHS must be 1 or 0, got 'on'"):
+        Engine(model, config, draft_tokens=1)
+    monkeypatch.setenv("REF_SERVER_MTP_SAMPLED_GRAPHS", "1")
+    assert Engine(model, config, draft_tokens=1).runner.speculative.sampling is None  # on the CPU
     Engine(model, config, draft_tokens=1, two_batch="on")
     monkeypatch.setenv("REF_SERVER_MTP_GRAPHS", "1")
     runner = Engine(model, config, draft_tokens=1).runner

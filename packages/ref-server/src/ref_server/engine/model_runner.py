@@ -23,7 +23,8 @@ over the kept tokens' hidden states and drafts the next round's tokens. After a 
 both run eagerly over the step's tokens; after a decode step through `SpeculativeSteps`, in its
 shapes fixed per batch size (the decode kernel over each sequence's newest token and its
 drafts), replayed from CUDA graphs where one rank steps one batch on CUDA, unless
-REF_SERVER_MTP_GRAPHS=0 (greedy drafting; sampled requests draft eagerly in the same shapes).
+REF_SERVER_MTP_GRAPHS=0 (greedy drafting; sampled requests draft eagerly in the same shapes,
+or in draft graphs that sample with REF_SERVER_MTP_SAMPLED_GRAPHS=1).
 A prefill instance's prompt
 keeps its last hidden state in its last token's page (`PagedKVCache.prompt_hidden`), where a
 decode instance's `draft` reads it after the transfer. Expert-parallel ranks plan a verify step
@@ -61,6 +62,7 @@ TWO_BATCH_MODES = ("auto", "on", "off")
 IDLE = -1  # a rank's vote without sequences; else the index of its batch's mode in MODES
 MTP_GRAPHS = "REF_SERVER_MTP_GRAPHS"  # capture speculative decoding's steps on CUDA: auto, 1, 0
 MTP_GRAPHS_MODES = ("auto", "1", "0")
+MTP_SAMPLED_GRAPHS = "REF_SERVER_MTP_SAMPLED_GRAPHS"  # 1: draft graphs that sample too; 0: not
 
 
 def mtp_graphs_by_environment() -> str:
@@ -71,6 +73,15 @@ def mtp_graphs_by_environment() -> str:
     if value not in MTP_GRAPHS_MODES:
         raise ValueError(f"{MTP_GRAPHS} must be auto, 1 or 0, got {value!r}")
     return value
+
+
+def mtp_sampled_graphs_by_environment() -> bool:
+    """REF_SERVER_MTP_SAMPLED_GRAPHS=1: where speculative steps are captured, the draft step
+    is captured sampling too (sampled requests replay it); 0 (unset): they draft eagerly."""
+    value = os.environ.get(MTP_SAMPLED_GRAPHS, "0")
+    if value not in ("1", "0"):
+        raise ValueError(f"{MTP_SAMPLED_GRAPHS} must be 1 or 0, got {value!r}")
+    return value == "1"
 
 
 @dataclass(frozen=True)
@@ -183,7 +194,7 @@ class ModelRunner:
             )
         self.speculative = None
         if draft_tokens:
-            mode = mtp_graphs_by_environment()
+            mode, sampled_graphs = mtp_graphs_by_environment(), mtp_sampled_graphs_by_environment()
             one_batch = not (self.expert_parallel or self.two_batch)
             if mode == "1" and not one_batch:
                 raise ValueError(
@@ -198,6 +209,7 @@ class ModelRunner:
                 max_batch=config.max_num_seqs,
                 max_blocks=-(-config.max_model_len // config.block_size),
                 capture_graphs=graphs and self.device.type == "cuda",
+                sampled_graphs=sampled_graphs,
             )
         self.decode_graphs = self._capture_decode_graphs()
         self.prefill_graphs = None

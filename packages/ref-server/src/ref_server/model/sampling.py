@@ -62,10 +62,10 @@ def sample_on_device(
     if not drawn:  # top-k and top-p always keep the argmax
         return logits.argmax(dim=-1)
     device = logits.device
-    scores = _scores(logits, params)
+    scored = _scores(logits, params)
     keys = [sampling_key(params[r], positions[r]) for r in drawn]
-    scores[_to(device, drawn)] += _gumbel(_to(device, keys), scores.shape[1])
-    return scores.argmax(dim=-1)
+    scored[_to(device, drawn)] += _gumbel(_to(device, keys), scored.shape[1])
+    return scored.argmax(dim=-1)
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -75,35 +75,43 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def _scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row of logits over its temperature (1 for greedy params), -inf outside its top-k
-    and top-p, float32."""
-    temperature = _to(logits.device, [1.0 if p.greedy else p.temperature for p in params])
-    scores = logits.float() / temperature.unsqueeze(-1)
-    if any(p.top_k or p.top_p < 1 for p in params):
-        scores = _keep_top_k_top_p(scores, params)
-    return scores
+    """`scores` of each row with its params (temperature 1 for greedy ones), top-k and top-p
+    applied where any row asks for them."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = _to(device, [1.0 if p.greedy else p.temperature for p in params])
+    if not any(p.top_k or p.top_p < 1 for p in params):
+        return scores(logits, temperature)
+    top_k = _to(device, [p.top_k or vocab for p in params])
+    return scores(logits, temperature, top_k, _to(device, [p.top_p for p in params]))
+
+
+def scores(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row of logits `[rows, vocab]` over its temperature `[rows]`, float32; with top_k
+    `[rows]` int64 (vocab: all tokens) and top_p `[rows]`, -inf outside the row's top_k best
+    tokens, then outside the fewest best ones whose probabilities reach top_p (the best one
+    always stays). No host reads: CUDA graphs capture it."""
+    scaled = logits.float() / temperature.unsqueeze(-1)
+    if top_k is None:
+        return scaled
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[1], device=scaled.device)
+    ordered = ordered.masked_fill(rank >= top_k.unsqueeze(-1), float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    ordered = ordered.masked_fill(
+        probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(-1), float("-inf")
+    )
+    return torch.empty_like(scaled).scatter_(1, order, ordered)
 
 
 def _to(device: torch.device, values: list) -> torch.Tensor:
     """values on `device` without waiting for its queue (a blocking copy from the host would
     wait for the step's kernels before the sampler's own could be queued)."""
     return torch.tensor(values).to(device, non_blocking=True)
-
-
-def _keep_top_k_top_p(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """-inf outside each row's k best tokens, then outside the fewest best tokens whose
-    probabilities reach top_p (the best one always stays)."""
-    vocab, device = scores.shape[1], scores.device
-    top_k = _to(device, [p.top_k or vocab for p in params])
-    top_p = _to(device, [p.top_p for p in params])
-    ordered, order = scores.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=device)
-    ordered = ordered.masked_fill(rank >= top_k.unsqueeze(-1), float("-inf"))
-    probs = ordered.softmax(dim=-1)
-    ordered = ordered.masked_fill(
-        probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(-1), float("-inf")
-    )
-    return torch.empty_like(scores).scatter_(1, order, ordered)
 
 
 def _signed(constant: int) -> int:

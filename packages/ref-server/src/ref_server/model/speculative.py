@@ -73,7 +73,12 @@ def _keys(params: list[SamplingParams], positions: list[int], stream: int, devic
     return _on(device, keys)
 
 
-def _draws(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def draft_key(params: SamplingParams, position: int) -> int:
+    """The key of the module's draw for `position` of a sequence sampled with params."""
+    return (sampling_key(params, position) + DRAFT) % 2**63
+
+
+def draws(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """A token from each row of probs `[rows, vocab]` (unnormalized), by the Gumbel-max trick
     with the row's key: `[rows]` on the device."""
     noise = -torch.log(-torch.log(uniform(keys, probs.shape[1])))
@@ -93,8 +98,8 @@ def propose(logits: torch.Tensor, params: list[SamplingParams], positions: list[
         at = _on(device, sampled)
         params = [params[r] for r in sampled]
         q = probabilities(logits[at], params)
-        keys = _keys(params, [positions[r] for r in sampled], DRAFT, device)
-        tokens[at] = _draws(q, keys)
+        keys = _on(device, [draft_key(params[k], positions[r]) for k, r in enumerate(sampled)])
+        tokens[at] = draws(q, keys)
         for k, r in enumerate(sampled):
             probs[r] = q[k]
     return tokens, probs
@@ -168,7 +173,7 @@ def _reject(logits, tokens, q, u, params, positions) -> tuple[torch.Tensor, torc
     p = probabilities(logits, params)
     drafted = tokens.unsqueeze(1)
     kept = u * q.gather(1, drafted)[:, 0] < p.gather(1, drafted)[:, 0]
-    replacement = _draws((p - q).clamp(min=0), _keys(params, positions, REPLACE, logits.device))
+    replacement = draws((p - q).clamp(min=0), _keys(params, positions, REPLACE, logits.device))
     return kept, replacement
 
 

@@ -18,10 +18,11 @@ their outputs are not read.
 
 `SpeculativeSteps` fills static inputs for each call and runs the steps over them: replayed
 from CUDA graphs captured per batch-size bucket (`capture_graphs`; drafting greedily, the
-argmax on the device), or eagerly at the batch's own size (drafting by `speculative.propose`:
-sampled requests, and tests' stand-ins for the module; the verify step also in two
-overlapped microbatches split between sequences, and through expert-parallel exchanges, which
-the graphs do not capture).
+argmax on the device, and with `sampled_graphs` also by sampling, each row's parameters and
+draw keys in `StaticSampling`), or eagerly at the batch's own size (drafting by
+`speculative.propose`: sampled requests without sampled graphs, and tests' stand-ins for the
+module; the verify step also in two overlapped microbatches split between sequences, and
+through expert-parallel exchanges, which the graphs do not capture).
 
     steps = SpeculativeSteps(model, cache, draft_tokens=2, max_batch=64, capture_graphs=True)
     logits, hidden = steps.verify(batch)  # sequence i's rows end at (i + 1) * steps.width
@@ -35,11 +36,60 @@ from functools import partial
 import numpy as np
 import torch
 
-from ref_server.model import speculative
+from ref_server.model import sampling, speculative
 from ref_server.model.cache import PagedKVCache
 from ref_server.model.cuda_graphs import StaticBlockTable, buckets, capture
+from ref_server.model.sampling import SamplingParams
 from ref_server.model.static_inputs import StaticInputs
 from ref_server.model.step import StepBatch, StepMetadata
+
+
+class StaticSampling:
+    """What a draft graph that samples reads, filled for each replay: each row's temperature,
+    top-k, top-p and whether it is greedy `[rows]`, and the keys of its drafts' draws
+    `[K, rows]`; and what it writes: the q each draft was drawn from `[K, rows, vocab]`
+    float32. Draws as `speculative.propose`'s, row for row."""
+
+    def __init__(self, rows: int, draft_tokens: int, vocab: int, device) -> None:
+        self.vocab = vocab
+        self.temperature = torch.ones(rows, device=device)
+        self.top_k = torch.full((rows,), vocab, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(rows, device=device)
+        self.greedy = torch.ones(rows, dtype=torch.bool, device=device)
+        self.keys = torch.zeros(draft_tokens, rows, dtype=torch.int64, device=device)
+        self.q = torch.zeros(draft_tokens, rows, vocab, device=device)
+
+    def fill(self, params: list[SamplingParams], newest: list[int]) -> None:
+        """Rows of sequences sampled with params, whose newest tokens are at positions newest;
+        the rows past them keep what they held (padding: their drafts are not read)."""
+        n = len(params)
+        for static, row in (
+            (self.temperature, [1.0 if p.greedy else p.temperature for p in params]),
+            (self.top_k, [p.top_k or self.vocab for p in params]),
+            (self.top_p, [p.top_p for p in params]),
+            (self.greedy, [p.greedy for p in params]),
+        ):
+            static[:n].copy_(torch.tensor(row, dtype=static.dtype), non_blocking=True)
+        keys = [
+            [speculative.draft_key(p, at + 1 + j) for p, at in zip(params, newest, strict=True)]
+            for j in range(len(self.keys))
+        ]
+        self.keys[:, :n].copy_(torch.tensor(keys, dtype=torch.int64), non_blocking=True)
+
+    def choose(self, filtered: bool):
+        """`SpeculativeSteps.run_draft`'s choose: the j-th draft of each row, its q into
+        self.q; filtered: top-k and top-p applied (as `propose` does when any sampled row of
+        the step asks for them)."""
+
+        def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
+            rows = logits.shape[0]
+            top = (self.top_k[:rows], self.top_p[:rows]) if filtered else ()
+            q = sampling.scores(logits, self.temperature[:rows], *top).softmax(dim=-1)
+            self.q[j, :rows].copy_(q)
+            drawn = speculative.draws(q, self.keys[j, :rows])
+            return torch.where(self.greedy[:rows], logits.argmax(dim=-1), drawn)
+
+        return choose
 
 
 class SpeculativeSteps:
@@ -52,11 +102,13 @@ class SpeculativeSteps:
         max_blocks: int | None = None,
         batch_sizes: list[int] | None = None,
         capture_graphs: bool = False,
+        sampled_graphs: bool = False,
     ) -> None:
         """draft_tokens: K, 1 to 3; max_batch: the most sequences a step brings; max_blocks:
         the widest block table (default: the whole cache); capture_graphs: capture both steps
         per bucket (`cuda_graphs.buckets(max_batch)`, or batch_sizes) on the cache's CUDA
-        device."""
+        device; sampled_graphs: and the draft step sampling, with and without top-k / top-p
+        (a `[K, max_batch, vocab]` float32 buffer more for the drafts' q)."""
         speculative.check_draft_tokens(draft_tokens)
         if model.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP module")
@@ -84,10 +136,17 @@ class SpeculativeSteps:
         dtype = model.embed_tokens.weight.dtype
         self.hidden = torch.zeros(rows, model.args.hidden_size, dtype=dtype, device=device)
         self.block_table = StaticBlockTable(max_batch, self.max_blocks, pad, device)
+        steps = {"verify": self.run_verify, "draft": self.run_draft}
+        self.sampling = None
+        if capture_graphs and sampled_graphs:
+            vocab = model.args.vocab_size
+            self.sampling = StaticSampling(max_batch, draft_tokens, vocab, device)
+            for variant, filtered in (("draft-sampled", False), ("draft-filtered", True)):
+                steps[variant] = partial(self.run_draft, choose=self.sampling.choose(filtered))
         self.graphs, self.outputs = {}, {}
         pool = None
         for b in reversed(self.buckets if capture_graphs else []):  # the largest first
-            for step, run in (("verify", self.run_verify), ("draft", self.run_draft)):
+            for step, run in steps.items():
                 key = (step, b)
                 self.graphs[key], self.outputs[key] = capture(partial(run, b), device, pool)
                 pool = self.graphs[key].pool()
@@ -125,13 +184,18 @@ class SpeculativeSteps:
         output hidden states; counts: drafts per sequence (0 to K). Drafts for each sequence and
         the q of each (None when greedy)."""
         n = self._check(batch)
-        replay = self.captured and all(p.greedy for p in params)
-        size = self._size(n, replay)
+        variant = self._draft_graph(params)
+        size = self._size(n, variant is not None)
         self._fill_draft(batch, hidden, counts, size)
-        if replay:
-            self.graphs["draft", size].replay()
-            drafted = self.outputs["draft", size]
+        if variant == "draft":
+            self.graphs[variant, size].replay()
+            drafted = self.outputs[variant, size]
             probs = [[None] * count for count in counts]
+        elif variant is not None:
+            self.sampling.fill(params, batch.context_lens)
+            self.graphs[variant, size].replay()
+            drafted = self.outputs[variant, size]
+            probs = self._drawn_from(params, counts)
         else:
             probs = [[] for _ in range(n)]
             newest = batch.context_lens  # each sequence's newest token's position
@@ -156,6 +220,27 @@ class SpeculativeSteps:
             drafted = self.run_draft(size, propose)
         tokens = drafted[:, :n].T.tolist()  # read back once
         return [t[:count] for t, count in zip(tokens, counts, strict=True)], probs
+
+    def _draft_graph(self, params: list[SamplingParams]) -> str | None:
+        """The draft graph that drafts for these params, None: none (an eager draft)."""
+        sampled = [p for p in params if not p.greedy]
+        if not self.captured or (sampled and self.sampling is None):
+            return None
+        if not sampled:
+            return "draft"
+        return "draft-filtered" if any(p.top_k or p.top_p < 1 for p in sampled) else "draft-sampled"
+
+    def _drawn_from(self, params: list[SamplingParams], counts: list[int]):
+        """After a sampling draft graph: each draft's q (None for greedy params), copied out
+        of the graph's buffer, which the next draft replay overwrites before the verify step
+        that reads them may have run."""
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        at = torch.tensor(rows).to(self.sampling.q.device, non_blocking=True)
+        kept, of_row = self.sampling.q[:, at], {row: k for k, row in enumerate(rows)}
+        return [
+            [None if p.greedy else kept[j, of_row[i]] for j in range(count)]
+            for i, (p, count) in enumerate(zip(params, counts, strict=True))
+        ]
 
     def run_verify(self, size: int, parts=None, low_latency: bool = False):
         """What the verify graph of `size` sequences runs, over the filled static inputs; parts:
