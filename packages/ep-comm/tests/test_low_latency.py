@@ -174,12 +174,24 @@ def test_an_nvshmem_collective_that_never_returns_raises_and_so_does_every_later
     never.set()
 
 
+def test_ranks_share_nvshmem_only_in_one_world():
+    """Each rank's vote (can it run NVSHMEM, the world it runs in): every rank fresh, or all in
+    one world, share it; a rank that replaced a lost one (no world) beside its peers' does not."""
+    from ep_comm.buffer import shared_nvshmem_problem
+
+    assert shared_nvshmem_problem(torch.tensor([[1, 0], [1, 0], [1, 0]])) is None
+    assert shared_nvshmem_problem(torch.tensor([[1, 77], [1, 77]])) is None
+    assert shared_nvshmem_problem(torch.tensor([[1, 77], [0, 0]])) == "another rank cannot run it"
+    assert "a rank was replaced" in shared_nvshmem_problem(torch.tensor([[1, 77], [1, 0]]))
+    assert "a rank was replaced" in shared_nvshmem_problem(torch.tensor([[1, 77], [1, 78]]))
+
+
 def test_nvshmem_started_for_one_group_says_why_another_cannot_start(monkeypatch):
     """NVSHMEM starts once per process: after an instance lost a rank, a Buffer over the ranks
     left can no longer run on it (the low-latency backend choice reads this reason), the same
     ranks still can."""
     monkeypatch.setattr(nvshmem, "_started", {})
-    assert nvshmem.why_not_start((0, 1, 2)) is None
+    assert nvshmem.why_not_start((0, 1, 2)) is None and nvshmem.world() == 0
     monkeypatch.setattr(nvshmem, "_started", {"members": (0, 1, 2, 3)})
     assert nvshmem.why_not_start((0, 1, 2, 3)) is None
     assert nvshmem.why_not_start((0, 1, 2)) == (

@@ -33,6 +33,20 @@ BACKENDS = ("auto", "cuda", "torch")
 UUID_BYTES = 48  # a GPU UUID as text, padded
 
 
+def shared_nvshmem_problem(votes: torch.Tensor) -> str | None:
+    """Why the ranks cannot run NVSHMEM together, from each rank's vote `[ranks, 2]`: whether
+    it can run NVSHMEM here, and the NVSHMEM world it runs in (`nvshmem.world`, 0: none yet).
+    None where they can: every one starts it, or all run in one world."""
+    if not votes[:, 0].all():
+        return "another rank cannot run it"
+    if len(set(votes[:, 1].tolist())) > 1:
+        return (
+            "the ranks' processes are not those NVSHMEM started with (a rank was replaced; "
+            "NVSHMEM starts once per process)"
+        )
+    return None
+
+
 def _why_not_cuda(num_nvl_bytes: int, num_ranks: int) -> str | None:
     if not torch.cuda.is_available():
         return "CUDA is not available"
@@ -137,20 +151,22 @@ class Buffer:
             reason = "CUDA is not available"
         if reason is None and self.num_rdma_bytes <= 0:
             reason = "num_rdma_bytes is 0 (Buffer.get_low_latency_rdma_size_hint)"
+        world = 0
         if reason is None:
             try:
                 from ep_comm import nvshmem
 
                 nvshmem.load()
                 reason = nvshmem.why_not_start(tuple(dist.get_process_group_ranks(self.group)))
+                world = nvshmem.world()
             except Exception as error:  # no wheel, no toolkit, a failed build: torch still works
                 reason = f"NVSHMEM is not usable here ({error})"
-        verdicts = self._comm.all_gather(
-            "Buffer(): choose the low-latency backend", torch.tensor([reason is None])
+        votes = self._comm.all_gather(
+            "Buffer(): choose the low-latency backend", torch.tensor([reason is None, world])
         )
-        if bool(verdicts.all()):
+        why = reason or shared_nvshmem_problem(votes)
+        if why is None:
             return "cuda"
-        why = reason or "another rank cannot run it"
         if requested == "cuda":
             raise ValueError(f"backend 'cuda' was requested for low-latency mode but {why}")
         if requested == "auto" and torch.cuda.is_available():

@@ -150,7 +150,9 @@ def load() -> ctypes.CDLL:
     return lib
 
 
-_started: dict[str, tuple] = {}  # the global ranks of this process's NVSHMEM world, once started
+# this process's NVSHMEM world once started: its global ranks ("members") and "world", a hash
+# of its unique id, the same in every process of that world
+_started: dict[str, tuple | int] = {}
 _blocked: list[str] = []  # a collective that never returned: NVSHMEM is unusable in this process
 
 
@@ -212,6 +214,13 @@ def why_not_start(members: tuple[int, ...]) -> str | None:
     return None
 
 
+def world() -> int:
+    """This process's NVSHMEM world, as its processes alone share it (a hash of its unique
+    id); 0 where NVSHMEM has not started. Ranks with the same global ranks may still be other
+    processes: one that replaced a lost rank has none while its peers keep theirs."""
+    return _started.get("world", 0)
+
+
 def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
     """Start NVSHMEM on the current CUDA device with every rank of `comm` as a PE (once per
     process; later calls check they ask for the same world). `heap_bytes`: what this process
@@ -246,4 +255,6 @@ def initialize(comm: Collectives, heap_bytes: int) -> ctypes.CDLL:
             f"expected {comm.rank} of {comm.size}"
         )
     _started["members"] = members
+    digest = hashlib.blake2b(bytes(unique_id), digest_size=7).digest()
+    _started["world"] = int.from_bytes(digest, "little") + 1
     return lib
