@@ -50,7 +50,8 @@ def tests(session: nox.Session, package: str) -> None:
     ]
     test_group = nox.project.dependency_groups(pyproject(package), "test")
     session.install(CPU_TORCH, *map(str, editable), *test_group)
-    session.run("pytest", "-m", "not gpu", str(package_dir(package) / "tests"), *session.posargs)
+    tests = str(package_dir(package) / "tests")
+    session.run("pytest", "-m", "not gpu", "--durations=10", tests, *session.posargs)
 
 
 @nox.session(venv_backend="none")
