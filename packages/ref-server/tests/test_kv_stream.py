@@ -42,18 +42,27 @@ class Pages(rpc.KvTransferServicer):
     whose checksum is wrong; `sent`: how many pages the stream carries before it ends (all by
     default)."""
 
-    def __init__(self, preset: str, damaged: int | None = None, sent: int = PAGES) -> None:
+    def __init__(
+        self, preset: str, damaged: int | None = None, sent: int = PAGES, pause: float = 0.0
+    ) -> None:
         size = M.cache_page_bytes(args_of(preset), 16)
         self.pages = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(PAGES)]
-        self.damaged, self.sent = damaged, sent
+        self.damaged, self.sent, self.pause = damaged, sent, pause
         self.released = 0
+        self.pulled: list[str] = []  # how each Pull ended: "sent" or "cancelled"
 
     async def Pull(self, request, context):
-        for index, page in enumerate(self.pages[: self.sent]):
-            message = page_message(index, page, request.kv_handle)
-            if index == self.damaged:
-                message.crc32 ^= 1
-            yield message
+        try:
+            for index, page in enumerate(self.pages[: self.sent]):
+                message = page_message(index, page, request.kv_handle)
+                if index == self.damaged:
+                    message.crc32 ^= 1
+                yield message
+                await asyncio.sleep(self.pause)
+        except asyncio.CancelledError:
+            self.pulled.append("cancelled")
+            raise
+        self.pulled.append("sent")
 
     async def Release(self, request, context):
         self.released += 1
@@ -79,6 +88,10 @@ def pull(server: Pages, preset: str) -> tuple[Engine, int | Exception]:
         except TransferError as error:
             return error
         finally:
+            for _ in range(100):  # the server's Pull ends: sent, or cancelled by the puller
+                if server.pulled:
+                    break
+                await asyncio.sleep(0.05)
             await listener.stop(None)
 
     return engine, asyncio.run(run())
@@ -124,6 +137,14 @@ def test_a_damaged_page_fails_the_pull_after_every_write_ended(damaged, preset):
             assert torch.equal(written, server.pages[index]), index
         else:
             assert torch.equal(written, empty), index
+
+
+def test_a_damaged_page_cancels_the_rest_of_the_stream():
+    """The puller stops the prefill side's stream at the bad page (pages 0.1 s apart: the rest
+    would take 1.5 s more), not when the call is collected."""
+    server = Pages("tiny", damaged=1, pause=0.1)
+    _, error = pull(server, "tiny")
+    assert isinstance(error, TransferError) and server.pulled == ["cancelled"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -416,8 +416,9 @@ class KvPuller:
         batch at a time, while the next arrives); every write ends before this returns or
         raises, so the blocks are never freed under one."""
         blocks, batch, count, writing = dict(targets), [], 0, None
+        call = transfer.Pull(handle, timeout=TRANSFER_TIMEOUT)
         try:
-            async for message in transfer.Pull(handle, timeout=TRANSFER_TIMEOUT):
+            async for message in call:
                 if message.index != count or message.kv_handle != handle.kv_handle:
                     raise ValueError(f"page {message.index} of {message.kv_handle!r} out of order")
                 count += 1
@@ -432,6 +433,7 @@ class KvPuller:
             writing = None
             await asyncio.to_thread(self._write, batch, blocks)
         finally:
+            call.cancel()  # a bad page ends the pull here, not when the call is collected
             await self._written(writing, quiet=True)
 
     @staticmethod
