@@ -19,7 +19,7 @@ runs some, the last decode rank's process is killed (SIGKILL). Then:
   again while it fails: one the router sends to the dead rank before its health checks drop
   it fails at once, and with the whole instance down the router has no decode instance).
 
-The goal (the issue's) is serving again within 10 s of the loss on the CPU. On a shared
+The goal is serving again within 10 s of the loss on the CPU (2 s on a GPU). On a shared
 machine the figures move with its load: the table says the load average.
 
 `--layouts`: DeepSeek-V3 (the `v3` preset, FP8 experts) at prefill EP32 and decode EP144 (288

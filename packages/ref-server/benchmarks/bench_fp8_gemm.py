@@ -18,7 +18,7 @@ layout), for linear layers also through torch._scaled_mm's blockwise
 scaling where it takes the shape, the operator's default ("auto": `fp8_gemm.pick_backend`),
 and bf16 on the same shapes (torch.mm, torch._grouped_mm, torch.bmm). Activations are
 quantized beforehand: the times are the GEMMs alone. The same run measures bf16 and
-per-tensor-scaled FP8 matmuls at 8192^3 as ceilings. Issue 16's target is FP8 >= 1.6x bf16
+per-tensor-scaled FP8 matmuls at 8192^3 as ceilings. The goal is FP8 >= 1.6x bf16
 at M >= 4096. With --tune, the Triton kernel is then timed under each of a few launch
 configurations at M = 8192 (about a minute more).
 """

@@ -3,8 +3,8 @@ the pages a decode instance reserved, over NIXL's UCX backend (RDMA where the NI
 shared memory or TCP where they do not). gRPC stays the control plane: it is to carry each
 side's agent metadata once per instance pair and, per request, the leased pages' descriptors.
 
-Issue 20's first part: the deployment does not use it yet (its KV moves through CUDA IPC or a
-gRPC stream, `kv_transfer`). nixl 1.5.1 cannot share a process with grpc_tools' protoc
+`kv_transfer` chooses it (method "nixl", or "auto" across hosts) beside CUDA IPC and the gRPC
+stream. nixl 1.5.1 cannot share a process with grpc_tools' protoc
 compiler (their bundled C++ libraries abort on load, in either order); grpcio is fine.
 Descriptors cross as `Pages`: the memory kind and packed int64 rows (address, bytes, device),
 never as NIXL's pickled lists, which would run a peer's pickle.
