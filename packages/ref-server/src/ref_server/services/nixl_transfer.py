@@ -5,8 +5,9 @@ side's agent metadata once per instance pair and, per request, the leased pages'
 
 `kv_transfer` chooses it (method "nixl", or "auto" across hosts) beside CUDA IPC and the gRPC
 stream. nixl 1.5.1 cannot share a process with grpc_tools' protoc compiler (their bundled C++
-libraries abort on load, in either order); grpcio is fine. Descriptors cross as `Pages`: the memory kind and packed int64 rows (address, bytes, device),
-never as NIXL's pickled lists, which would run a peer's pickle.
+libraries abort on load, in either order); grpcio is fine. Descriptors cross as `Pages`: the
+memory kind and packed int64 rows (address, bytes, device), never as NIXL's pickled lists,
+which would run a peer's pickle.
 
     source = NixlCache(prefill_cache)                   # the prefill instance
     pages = source.pages([3, 1, 5])                     # its leased blocks, every page tensor
