@@ -5,6 +5,7 @@ the deployment instead of restarting forever."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -187,12 +188,15 @@ def test_a_lost_elastic_rank_is_restarted_alone_to_join_until_it_keeps_failing(m
         unit.kill()
 
 
+@pytest.mark.parametrize("admitted", [False, True])
 def test_an_elastic_instance_whose_members_all_ended_restarts_whole_stopping_its_joiner(
-    monkeypatch,
+    monkeypatch, admitted
 ):
     """A rank is lost and restarted with --join (a replacement waiting to be admitted); the
     other, its last member, ends too: the replacement, which nothing can admit any more, is
-    stopped and the instance restarts whole, without --join."""
+    stopped and the instance restarts whole, without --join. Unless the members had admitted
+    it (the store's last members name it) before it serves: then it is the instance, and goes
+    on alone."""
     monkeypatch.setattr(deployment, "RESTART_DELAYS_S", (0, 0, 0, 0))
     running = supervisor_only()
     member, lost = "127.0.0.1:1", "127.0.0.1:2"
@@ -204,9 +208,17 @@ def test_an_elastic_instance_whose_members_all_ended_restarts_whole_stopping_its
     try:
         joiner = supervised(running, unit, lost, lambda p: len(p) == 2)[-1]
         assert joiner.args[-1] == "--join" and joiner.poll() is None
+        if admitted:
+            unit.store.set("members/1", json.dumps([0, 1]))
         unit.processes[member].kill()
         unit.processes[member].wait()
-        running._look_after(unit)  # all ended or joining: stopped
+        running._look_after(unit)
+        if admitted:
+            running._look_after(unit)
+            assert unit.processes[lost] is joiner and joiner.poll() is None
+            assert unit.restart_at is None
+            return
+        # all ended or joining: stopped
         assert joiner.poll() is not None
         running._look_after(unit)  # started again whole, after a delay of 0
         assert unit.processes[member].poll() is None and unit.processes[lost] is not joiner

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ref_server.services.config import ServeConfig
+from ref_server.services.elastic import last_members
 from ref_server.services.security import SECRET_ENV, new_secret, read_secret
 from ref_server.services.servers import SUPERVISOR_ENV, supervised_service
 
@@ -141,7 +142,7 @@ class Unit:
     """What the supervisor restarts as one: an instance's ranks, or the router."""
 
     role: str
-    commands: dict[str, list[str]]  # by gRPC address
+    commands: dict[str, list[str]]  # by gRPC address, in rank order (an elastic rank's member id)
     elastic: bool = False  # the instance goes on while any rank lives
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     deaths: int = 0  # in a row, without a healthy start between
@@ -178,11 +179,14 @@ class Unit:
 
     def dead(self) -> bool:
         """Whether it must start again: an elastic instance once every rank has ended or
-        waits to join (no member is left to admit it)."""
+        waits to join (no member is left to admit it). A replacement that the members have
+        admitted (its member id in the store's last members) is one, serving or not yet."""
         ended = self.ended()
-        if self.elastic:
-            return all(a in ended or a in self.joining for a in self.processes)
-        return bool(ended)
+        if not self.elastic:
+            return bool(ended)
+        members = last_members(self.store) or []
+        waiting = {a for i, a in enumerate(self.commands) if a in self.joining and i not in members}
+        return all(a in ended or a in waiting for a in self.processes)
 
     def kill(self, timeout: float = 10) -> None:
         for process in self.processes.values():

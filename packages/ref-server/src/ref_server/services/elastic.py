@@ -56,6 +56,21 @@ class LeftOut(RuntimeError):
     """This rank is no member of the instance any more: the others agreed without it."""
 
 
+def last_generation(store: dist.Store) -> int:
+    """The last generation of members decided in the store (0: the members it started with)."""
+    generation = 0
+    while store.check([f"members/{generation + 1}"]):
+        generation += 1
+    return generation
+
+
+def last_members(store: dist.Store) -> list[int] | None:
+    """The member ids of the last generation decided in the store; None before the first
+    change (every member it started with)."""
+    generation = last_generation(store)
+    return json.loads(store.get(f"members/{generation}")) if generation else None
+
+
 class Membership:
     def __init__(
         self,
@@ -216,9 +231,7 @@ class Membership:
         """A member joining a running instance: announce it and wait until the members admit
         it (`admit`), at most the store's timeout; the new generation's members as their ranks
         before (None: this rank). TimeoutError saying so when it is not admitted."""
-        generation = 1
-        while self.store.check([f"members/{generation}"]):  # the next generation is the first
-            generation += 1
+        generation = last_generation(self.store) + 1  # the first it may be admitted in
         key = f"joining/{self.member}"
         self.store.set(key, "")
         waited = self.store.timeout.total_seconds()
