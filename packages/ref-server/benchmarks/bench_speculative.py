@@ -276,6 +276,10 @@ def engine_curve(model, batch, prompt, draft_tokens, rates, steps, temperature) 
     for k, path in itertools.product(draft_tokens, paths):
         free_device_memory(model)  # the last engine's cache and graphs, before this one's
         engine, max_tokens = curve_engine(model, batch, prompt, k, steps, path)
+        speculative = engine.runner.speculative
+        taken = "graphs" if speculative.captured else "eager"
+        taken += "-sampling" if speculative.sampling is not None else ""
+        assert taken == path, f"asked for the {path} path, the runner took {taken}"
         parts, stats = RunnerTimes(engine.runner), engine.speculative_stats
         for rate in rates:
             engine.forced_acceptance = rate

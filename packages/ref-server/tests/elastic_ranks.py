@@ -203,7 +203,7 @@ def serve(
     start("first")
     missed = wait_for("the instance regroup after the fault", lambda: members.generation > 0)
     if not (missed or stopped.is_set()):
-        phase(f"regrouped over members {members.members}: serving its later requests")
+        phase(f"agreed on members {members.members}: sending its later requests")
         start("later")
         missed = wait_for(
             "its requests end", lambda: all(r["end"] is not None for r in served.values())
