@@ -67,15 +67,14 @@ def _on(device: torch.device, values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
+def draw_key(params: SamplingParams, position: int, stream: int) -> int:
+    """The key of a draw for `position` of a sequence sampled with params, in `stream`."""
+    return (sampling_key(params, position) + stream) % 2**63
+
+
 def _keys(params: list[SamplingParams], positions: list[int], stream: int, device) -> torch.Tensor:
-    """The key of each draw, for positions[i] of a sequence sampled with params[i], in `stream`."""
-    keys = [(sampling_key(p, at) + stream) % 2**63 for p, at in zip(params, positions, strict=True)]
-    return _on(device, keys)
-
-
-def draft_key(params: SamplingParams, position: int) -> int:
-    """The key of the module's draw for `position` of a sequence sampled with params."""
-    return (sampling_key(params, position) + DRAFT) % 2**63
+    """`draw_key` of each (params[i], positions[i]) on `device`."""
+    return _on(device, [draw_key(p, at, stream) for p, at in zip(params, positions, strict=True)])
 
 
 def draws(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -98,7 +97,7 @@ def propose(logits: torch.Tensor, params: list[SamplingParams], positions: list[
         at = _on(device, sampled)
         params = [params[r] for r in sampled]
         q = probabilities(logits[at], params)
-        keys = _on(device, [draft_key(params[k], positions[r]) for k, r in enumerate(sampled)])
+        keys = _keys(params, [positions[r] for r in sampled], DRAFT, device)
         tokens[at] = draws(q, keys)
         for k, r in enumerate(sampled):
             probs[r] = q[k]

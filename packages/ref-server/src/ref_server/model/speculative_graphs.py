@@ -71,7 +71,10 @@ class StaticSampling:
         ):
             static[:n].copy_(torch.tensor(row, dtype=static.dtype), non_blocking=True)
         keys = [
-            [speculative.draft_key(p, at + 1 + j) for p, at in zip(params, newest, strict=True)]
+            [
+                speculative.draw_key(p, at + 1 + j, speculative.DRAFT)
+                for p, at in zip(params, newest, strict=True)
+            ]
             for j in range(len(self.keys))
         ]
         self.keys[:, :n].copy_(torch.tensor(keys, dtype=torch.int64), non_blocking=True)
