@@ -707,11 +707,11 @@ def test_calls_to_a_stopped_instance_end_once_its_health_checks_fail(serving):
         assert waited < 10, waited
         decode.send_signal(signal.SIGCONT)
 
-        def both_prefill_instances_back() -> bool:
+        def every_instance_back() -> bool:
             workers = client.server_info().workers
             return client.health() == "SERVING" and all(w.healthy for w in workers)
 
-        serving.wait_until(both_prefill_instances_back, 30, "every instance healthy again")
+        serving.wait_until(every_instance_back, 30, "every instance healthy again")
         assert len(client.generate([5, 6, 7], temperature=0, max_tokens=4).token_ids) == 4
         client.close()
     finally:
